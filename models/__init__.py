@@ -1,0 +1,1 @@
+"""Talker model adapters implementing mtp_fsm.model_api (one subpackage per architecture)."""

@@ -1,0 +1,230 @@
+"""Qwen3TTSTalker: the mtp_fsm TalkerModel adapter (weights, slot KV cache, text step, MTP hook)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtp_fsm.model_api import CodebookSampler, ColumnSpec, ModelSpec, PreparedPrompt, TalkerModel
+
+from .config import Qwen3TTSConfig
+from .layers import Linear, RMSNorm, rope_tables
+from .prompt import ByteTextTokenizer, TextTokenizer, TTSInputs, build_prompt
+from .talker import Qwen3TTSRoot
+
+# Tiny-model "text exhausted" wiring (see _wire_demo_eos): the reserved residual channel,
+# its value while the text step is tts_pad, and the EOS head weight reading it.
+_FLAG_DIM = 0
+_FLAG_VALUE = 1.0
+_EOS_GAIN = 2.0
+
+
+class Qwen3TTSTalker(TalkerModel):
+    """Qwen3-TTS talker + code predictor driven by the lockstep engine.
+
+    Every method except `prepare` is batched and free of host syncs. Parameters, the KV
+    cache and all returned embeddings use `dtype`; norms, RoPE and softmax run in at
+    least float32. `device="meta"` builds shapes only (parameter counts of real sizes).
+    """
+
+    def __init__(self, config: Qwen3TTSConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", tokenizer: TextTokenizer | None = None,
+                 init_weights: bool = True):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        with torch.device("meta"):
+            module = Qwen3TTSRoot(config)
+        module = module.to(dtype=dtype)
+        if self.device.type != "meta":
+            module = module.to_empty(device=self.device)
+        self.module = module.eval().requires_grad_(False)
+        if init_weights and self.device.type != "meta":
+            self._init_weights(seed)
+        if tokenizer is None and config.text_tokenizer == "bytes":
+            tokenizer = ByteTextTokenizer()
+        self.tokenizer = tokenizer
+        cp = config.code_predictor
+        self._cos, self._sin = rope_tables(config.max_context, config.head_dim, config.rope_theta,
+                                           dtype, self.device)
+        self._cp_cos, self._cp_sin = rope_tables(cp.num_code_groups, cp.head_dim, cp.rope_theta,
+                                                 dtype, self.device)
+        self._cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Made once: building it per step would be a host-to-device copy (not graph-capturable).
+        self._pad_ids = torch.tensor([config.tts_pad_token_id], dtype=torch.long, device=self.device)
+        self._spec = ModelSpec(
+            name="qwen3_tts", hidden_size=config.hidden_size, num_codebooks=config.num_code_groups,
+            backbone_vocab_size=config.vocab_size, codebook_size=config.codebook_size,
+            eos_token_id=config.codec_eos_token_id, max_context=config.max_context, dtype=dtype,
+        )
+
+    @property
+    def spec(self) -> ModelSpec:  # type: ignore[override]
+        return self._spec
+
+    @property
+    def talker(self):
+        return self.module.talker
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    # ---------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        """Deterministic from the seed alone: values are drawn on the CPU in float32, in
+        module order, then cast, so every dtype and device gets the same numbers."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.init_std
+        for module in self.module.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, (Linear, torch.nn.Embedding)):
+                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                module.weight.copy_(w)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+        if self.config.demo_eos_wiring:
+            self._wire_demo_eos()
+
+    @torch.no_grad()
+    def _wire_demo_eos(self) -> None:
+        """Tiny init only: make EOS follow the end of the text, like the trained model.
+
+        With plain random weights EOS is one of ~2049 near-equal logits, so a request
+        would run for thousands of frames. Here residual channel 0 is reserved as a
+        "text exhausted" flag: no embedding and no layer output writes it, only the text
+        projection of tts_pad (its text embedding is scaled up so ordinary text tokens
+        project to ~0 there). codec_head's EOS row reads only that channel. While text
+        remains, EOS is an ordinary-looking logit; once the text step becomes tts_pad,
+        EOS dominates (greedy and sampled), so a request yields about len(text) + 1 frames.
+        """
+        t, cfg, d = self.talker, self.config, _FLAG_DIM
+        t.model.codec_embedding.weight[:, d] = 0
+        for emb in t.code_predictor.model.codec_embedding:
+            emb.weight[:, d] = 0
+        for layer in t.model.layers:
+            layer.self_attn.o_proj.weight[d] = 0
+            layer.mlp.down_proj.weight[d] = 0
+        pad_row = t.model.text_embedding.weight[cfg.tts_pad_token_id]
+        pad_row.mul_(100.0)
+        act = F.silu(t.text_projection.linear_fc1(pad_row))
+        t.text_projection.linear_fc2.weight[d] = act * (_FLAG_VALUE / act.dot(act))
+        t.text_projection.linear_fc2.bias[d] = 0
+        t.codec_head.weight[cfg.codec_eos_token_id] = 0
+        t.codec_head.weight[cfg.codec_eos_token_id, d] = _EOS_GAIN
+
+    # ---------------------------------------------------------------- admission
+
+    @torch.no_grad()
+    def prepare(self, inputs: TTSInputs) -> PreparedPrompt:
+        """Prompt embeddings [P, H] and the trailing text column [N, H] (N = number of content
+        tokens: all but the first, plus tts_eos). Host side, once per request."""
+        if inputs.text_ids is not None:
+            ids = list(inputs.text_ids)
+        elif self.tokenizer is not None:
+            ids = self.tokenizer.encode(inputs.text or "")
+        else:
+            raise ValueError("this config has no built-in tokenizer: pass TTSInputs(text_ids=...) "
+                             "or construct the model with tokenizer=")
+        prompt, trailing = build_prompt(
+            self.config, ids, speaker_id=inputs.speaker_id, language_id=inputs.language_id,
+            text_embed=self.talker.project_text, codec_embed=self.talker.model.codec_embedding,
+            device=self.device,
+        )
+        if trailing.shape[0] > self.config.max_trailing_text:
+            raise ValueError(f"text too long: {trailing.shape[0]} trailing tokens > max_trailing_text "
+                             f"{self.config.max_trailing_text}")
+        if prompt.shape[0] >= self.config.max_context:
+            raise ValueError(f"prompt of {prompt.shape[0]} positions leaves no room in max_context "
+                             f"{self.config.max_context}")
+        columns = {"trailing_text": trailing, "trailing_len": torch.tensor(trailing.shape[0], dtype=torch.int64)}
+        return PreparedPrompt(prompt_embeds=prompt, columns=columns)
+
+    def slot_columns(self) -> dict[str, ColumnSpec]:
+        return {
+            "trailing_text": ColumnSpec((self.config.max_trailing_text, self.config.hidden_size), self.dtype),
+            "trailing_len": ColumnSpec((), torch.int64),
+        }
+
+    # ---------------------------------------------------------------- per-slot state
+
+    def bind_slots(self, max_slots: int, device: torch.device,
+                   columns: dict[str, torch.Tensor] | None = None) -> None:
+        """One KV cache per layer: [max_slots + 1, max_context, kv_heads, head_dim]; the extra
+        row is scratch that padding tokens write into and read from."""
+        device = torch.device(device)
+        if device != self.device:
+            raise ValueError(f"model lives on {self.device}, slots requested on {device}")
+        cfg = self.config
+        shape = (max_slots + 1, cfg.max_context, cfg.num_key_value_heads, cfg.head_dim)
+        self._cache = [
+            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    @property
+    def max_slots(self) -> int:
+        return 0 if self._cache is None else self._cache[0][0].shape[0] - 1
+
+    @torch.no_grad()
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        cache = self._require_cache()
+        scratch = cache[0][0].shape[0] - 1
+        rows = torch.where(slots >= 0, slots, torch.full_like(slots, scratch)).long()
+        for cache_k, cache_v in cache:
+            cache_k.index_fill_(0, rows, 0)
+            cache_v.index_fill_(0, rows, 0)
+
+    def _require_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._cache is None:
+            raise RuntimeError("bind_slots() must be called before the model runs")
+        return self._cache
+
+    # ---------------------------------------------------------------- step hooks
+
+    @torch.no_grad()
+    def tts_pad_embed(self) -> torch.Tensor:
+        """T(tts_pad) [H]: the text step once a request's text has run out."""
+        return self.talker.project_text(self._pad_ids)[0]
+
+    @torch.no_grad()
+    def text_step(self, columns: dict[str, torch.Tensor], slots: torch.Tensor,
+                  frame_index: torch.Tensor) -> torch.Tensor:
+        trailing, lengths = columns["trailing_text"], columns["trailing_len"]
+        safe_slot = slots.clamp(min=0).long()
+        frame = frame_index.long().expand_as(safe_slot)
+        rows = trailing[safe_slot, frame.clamp(0, trailing.shape[1] - 1)]
+        use = (slots >= 0) & (frame >= 0) & (frame < lengths[safe_slot])
+        return torch.where(use[:, None], rows.to(self.dtype), self.tts_pad_embed()[None, :])
+
+    @torch.no_grad()
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                token_slots: torch.Tensor) -> torch.Tensor:
+        return self.talker.model(inputs_embeds.to(self.dtype), positions.long(), token_slots.long(),
+                                 self._require_cache(), self._cos, self._sin)
+
+    @torch.no_grad()
+    def cb0_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Raw codec_head logits over all 3072 ids; like upstream's `suppress_tokens`, the
+        sampler must allow only [0, codebook_size) and EOS."""
+        return self.talker.codec_head(hidden)
+
+    @torch.no_grad()
+    def mtp(self, hidden: torch.Tensor, cb0: torch.Tensor, sample: CodebookSampler) -> torch.Tensor:
+        cb0 = cb0.long()
+        # Rows with CB0 = EOS or garbage are ignored by the engine but must stay in bounds.
+        cb0_embed = self.talker.model.codec_embedding(cb0.clamp(0, self.config.codebook_size - 1))
+        rest = self.talker.code_predictor.generate(hidden, cb0_embed, sample, self._cp_cos, self._cp_sin)
+        return torch.cat([cb0[:, None], rest], dim=1)
+
+    @torch.no_grad()
+    def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """codec_embedding(c0) + sum_g cp.codec_embedding[g-1](c_g), added in the fixed order
+        g = 1..Q-1 (gathers + elementwise adds: the bits never depend on the batch)."""
+        codes = codes.long().clamp(0, self.config.codebook_size - 1)
+        acc = self.talker.model.codec_embedding(codes[:, 0])
+        for g in range(1, self.config.num_code_groups):
+            acc = acc + self.talker.code_predictor.model.codec_embedding[g - 1](codes[:, g])
+        return acc

@@ -1,0 +1,167 @@
+"""Qwen3 transformer blocks: RMSNorm, RoPE, GQA attention over a per-slot KV cache or causally, SwiGLU."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms, softmax and RoPE run in at least float32 (float64 stays float64 for exact tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same state_dict keys) with an optional batch-invariant evaluation."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, batch_invariant: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.batch_invariant = batch_invariant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BLAS matmul uses different kernels for one row and for many, so a row's bits
+        # depend on the batch; the elementwise form reduces every row the same way.
+        if not self.batch_invariant:
+            return F.linear(x, self.weight, self.bias)
+        y = (x.unsqueeze(-2) * self.weight).sum(-1)
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(compute_dtype(x.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(num_positions: int, head_dim: int, theta: float, dtype: torch.dtype,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [num_positions, head_dim] for 1-D positions (rotate-half layout).
+
+    The talker upstream uses interleaved MRoPE with three position streams (t, h, w);
+    for audio-only talker sequences all three equal the token position, so every
+    frequency sees the same angle and MRoPE reduces exactly to this 1-D table.
+    """
+    ct = compute_dtype(dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(ct) / head_dim))
+    pos = torch.arange(num_positions, dtype=ct, device=device)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, head_dim]; cos/sin [..., head_dim] broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+class Attention(nn.Module):
+    """Qwen3 GQA attention: no biases, per-head RMSNorm on q and k before RoPE."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bi: bool):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.bi = heads, kv_heads, head_dim, bi
+        self.scaling = head_dim**-0.5
+        self.q_proj = Linear(hidden, heads * head_dim, False, bi)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, False, bi)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, False, bi)
+        self.o_proj = Linear(heads * head_dim, hidden, False, bi)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        lead = x.shape[:-1]
+        q = self.q_norm(self.q_proj(x).view(*lead, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*lead, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [..., H, D]; keys/vals [..., C, KV, D]; mask bool [..., C] -> [..., H*D].
+
+        Masked keys and values are replaced by zeros before use, so whatever sits in a
+        stale or never-written cache entry (even NaN/inf) cannot reach the output.
+        """
+        groups = self.heads // self.kv_heads
+        q = q.unflatten(-2, (self.kv_heads, groups))  # [..., KV, G, D]
+        keep = mask[..., None, None]
+        keys = torch.where(keep, keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+        vals = torch.where(keep, vals, torch.zeros((), dtype=vals.dtype, device=vals.device))
+        keys = keys.movedim(-3, -2)  # [..., KV, C, D]
+        vals = vals.movedim(-3, -2)
+        if self.bi:
+            # Reductions along the last axis only: a row's bits do not depend on the batch
+            # (BLAS picks different kernels for one row and for many).
+            scores = (q.unsqueeze(-2) * keys.unsqueeze(-4)).sum(-1)  # [..., KV, G, C]
+        else:
+            scores = q @ keys.transpose(-1, -2)
+        scores = (scores * self.scaling).masked_fill(~mask[..., None, None, :], float("-inf"))
+        probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
+        if self.bi:
+            out = (probs.unsqueeze(-2) * vals.transpose(-1, -2).unsqueeze(-4)).sum(-1)  # [..., KV, G, D]
+        else:
+            out = probs @ vals
+        return self.o_proj(out.flatten(-3))
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slot: torch.Tensor,
+                       pos: torch.Tensor, mask: torch.Tensor, cache_k: torch.Tensor,
+                       cache_v: torch.Tensor) -> torch.Tensor:
+        """Flat tokens x [T, hidden]: write k/v at (write_slot, pos), attend to the slot's [0, pos].
+
+        Padding tokens arrive with write_slot = the scratch row (cache row max_slots), so
+        the write needs no filtering (no host sync) and no real slot is touched. All writes
+        happen before the gather, so tokens of one request in a chunk see each other.
+        """
+        q, k, v = self._qkv(x, cos, sin)
+        cache_k.index_put_((write_slot, pos), k.to(cache_k.dtype))
+        cache_v.index_put_((write_slot, pos), v.to(cache_v.dtype))
+        keys = cache_k[write_slot].to(q.dtype)  # [T, C, KV, D]
+        vals = cache_v[write_slot].to(q.dtype)
+        return self._attend(q, keys, vals, mask)
+
+    def forward_causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Plain causal attention over a sequence batch x [B, S, hidden] (no cache)."""
+        q, k, v = self._qkv(x, cos, sin)
+        seq = x.shape[-2]
+        idx = torch.arange(seq, device=x.device)
+        mask = idx[None, :] <= idx[:, None]  # [S query, S key]
+        return self._attend(q, k.unsqueeze(-4), v.unsqueeze(-4), mask)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bi: bool):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, False, bi)
+        self.up_proj = Linear(hidden, intermediate, False, bi)
+        self.down_proj = Linear(intermediate, hidden, False, bi)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; `attend(self_attn, normed_x)` chooses the cached or causal attention."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float, bi: bool):
+        super().__init__()
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps, bi)
+        self.mlp = MLP(hidden, intermediate, bi)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, attend: Callable[[Attention, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        x = x + attend(self.self_attn, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))

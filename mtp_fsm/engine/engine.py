@@ -1,0 +1,148 @@
+"""LockstepEngine: one step = a fixed pipeline of transition kernels over the slot table."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import EngineInvariantError
+from ..kernels import select_backend
+from ..kernels.reference import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX
+from ..lifecycle import Oracle, compile_table, lifecycle_for
+from ..lifecycle.spec import LifecycleSpec
+from ..model_api import TalkerModel
+from ..slots import SlotTable
+from .ledger import HostStep, Ledger
+from .plan import FrameBatch, RowOutput, StepOutput, StepPlan
+
+
+class LockstepEngine:
+    """Advances every request's state machine together, one fused stage at a time.
+
+    The host validates and stages a StepPlan (ledger), the device runs the stages
+    (kernels + model) with no host synchronisation, and one copy brings the step's
+    packed output back, from which request-attributed frames are built.
+    """
+
+    def __init__(
+        self,
+        model: TalkerModel,
+        max_slots: int,
+        *,
+        device: torch.device | str = "cpu",
+        kernels: str = "auto",
+        lifecycle: LifecycleSpec | None = None,
+    ) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.device = torch.device(device)
+        self.lifecycle = lifecycle or lifecycle_for(self.spec.lifecycle)
+        self.transitions = compile_table(self.lifecycle)
+        self._trans = self.transitions.to(self.device)
+        self.kernels = select_backend(kernels, self.device)
+        self.table = SlotTable.allocate(max_slots, self.spec, self.device, model.slot_columns())
+        self.oracle = Oracle(self.lifecycle)
+        self.ledger = Ledger(model, self.table, self.oracle)
+        model.bind_slots(max_slots, self.device, self.table.extra)
+        self._allowed = self._cb0_allowed()
+        self.step_count = 0
+
+    def _cb0_allowed(self) -> torch.Tensor:
+        # CB0 may be any codec id or the codec EOS; other specials of the backbone head are not frames.
+        allowed = torch.zeros(self.spec.backbone_vocab_size, dtype=torch.bool)
+        allowed[: self.spec.codebook_size] = True
+        if self.spec.eos_token_id is not None:
+            allowed[self.spec.eos_token_id] = True
+        return allowed.to(self.device)
+
+    # -- public API ---------------------------------------------------------------------
+
+    @property
+    def max_slots(self) -> int:
+        return self.table.max_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.ledger.allocator.num_free
+
+    def request_state(self, request_id: str):
+        """The request's lifecycle state as of the last step (host mirror)."""
+        record = self.ledger._known(request_id, "report its state")
+        return record.state
+
+    def requests(self) -> dict[str, str]:
+        return {rid: self.ledger.sync(r).state.label for rid, r in self.ledger.records.items()}
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        host = self.ledger.stage(plan)
+        with torch.inference_mode():
+            packed = self._run_device_stages(host)
+            # The step's single device-to-host copy (non-blocking on CUDA; a copy either way,
+            # so published data never aliases an engine buffer).
+            packed = packed.to("cpu", non_blocking=True, copy=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.step_count += 1
+        return self._build_output(host, packed.numpy(), packed)
+
+    # -- device pipeline ----------------------------------------------------------------
+
+    def _run_device_stages(self, host: HostStep) -> torch.Tensor:
+        k, table, trans, model = self.kernels, self.table, self._trans, self.model
+        if host.events is not None:
+            k.apply_host_events(table, trans, host.events)
+        if host.admits is not None:
+            model.reset_slots(host.admits.slots)
+            k.apply_admits(table, trans, host.admits)
+            if host.replay is not None:
+                k.replay_frames(table, host.replay, model.frame_embed, model.text_step)
+        batch = host.batch
+        width = OUT_CODES + self.spec.num_codebooks
+        if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
+            packed = torch.zeros(batch.num_rows, width, dtype=torch.int64, device=self.device)
+        else:
+            inputs, positions, token_slots = k.compose_inputs(table, batch, model.text_step)
+            hidden = model.forward(inputs, positions, token_slots)
+            last_hidden = hidden[batch.last_token]
+            logits = model.cb0_logits(last_hidden)
+            cb0 = k.sample_cb0(
+                table, trans, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed
+            )
+            if self.spec.has_mtp:
+                sample, mtp_bad = k.mtp_sampler(table, batch)
+                codes = model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
+                k.mtp_scatter(table, trans, batch, mtp_bad)
+            else:
+                codes = cb0[:, None]
+            packed = k.publish_frames(table, trans, batch, codes, model.frame_embed(codes))
+        # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
+        # this step still surfaces in the same copy.
+        global_row = torch.zeros(1, width, dtype=torch.int64, device=self.device)
+        global_row[0, OUT_ERROR] = table.error[: table.max_slots].amax()
+        return torch.cat([packed, global_row])
+
+    # -- host side ----------------------------------------------------------------------
+
+    def _build_output(self, host: HostStep, packed_np: np.ndarray, packed: torch.Tensor) -> StepOutput:
+        if packed_np[-1, OUT_ERROR] or packed_np[:-1, OUT_ERROR][~host.padding_np].any():
+            bad = np.flatnonzero(self.table.error[: self.table.max_slots].cpu().numpy())
+            owners = {r.slot: r.request_id for r in self.ledger.records.values() if r.slot is not None}
+            raise EngineInvariantError(
+                "sticky error bits set on slots "
+                + ", ".join(f"{s} (owner {owners.get(s)!r}, bits {int(self.table.error[s])})" for s in bad)
+            )
+        rows_np, rows = packed_np[:-1], packed[:-1]
+        valid_rows, ended = self.ledger.observe(host, rows_np)
+        codes = rows[:, OUT_CODES:]
+        frames = FrameBatch(
+            request_ids=tuple(host.row_ids[i] for i in valid_rows),
+            frame_index=rows[valid_rows, OUT_FRAME_INDEX],
+            codes=codes[valid_rows],
+        )
+        row_output = RowOutput(
+            request_ids=host.row_ids,
+            query_start_loc=host.batch.query_start_loc.cpu(),
+            valid=torch.from_numpy(rows_np[:, 0] == 1),
+            codes=codes.clone(),
+        )
+        return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens)

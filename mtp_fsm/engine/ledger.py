@@ -1,0 +1,358 @@
+"""The host ledger: validates a StepPlan all-or-nothing, fires host triggers through the
+oracle, allocates slots and stages the device inputs of the step."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import attrs
+import numpy as np
+import torch
+
+from ..errors import (
+    AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
+)
+from ..kernels.contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
+from ..lifecycle import LIVE_STATES, TERMINAL_STATES, FinishReason, Oracle, State, Trigger
+from ..model_api import TalkerModel
+from ..slots import SlotAllocator, SlotTable
+from .plan import FinishedRequest, NewRequest, Span, StepPlan
+from ..kernels.reference import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID
+from .records import RequestRecord
+
+
+@attrs.define
+class HostStep:
+    """A validated, committed plan: what the device stages receive, and host bookkeeping."""
+
+    events: StagedEvents | None
+    admits: StagedAdmits | None
+    replay: ReplayFrames | None
+    batch: StepBatch
+    row_records: list[RequestRecord | None]
+    row_ids: tuple[str | None, ...]
+    slots_np: np.ndarray  # slot per row (scratch for padding), host copy
+    padding_np: np.ndarray
+    ended: list[FinishedRequest]  # aborts applied at this boundary
+
+
+class Ledger:
+    def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle) -> None:
+        self.model, self.table, self.oracle = model, table, oracle
+        self.spec = model.spec
+        self.allocator = SlotAllocator(table.max_slots)
+        self.records: dict[str, RequestRecord] = {}
+        self._next_serial = 1
+        self._resuming: set[str] = set()
+        # Host mirror of the device, per slot, refreshed from each step's output copy.
+        rows = table.max_slots + 1
+        self.slot_state = np.zeros(rows, dtype=np.int64)
+        self.slot_frames = np.zeros(rows, dtype=np.int64)
+        self.slot_reason = np.zeros(rows, dtype=np.int64)
+
+    def sync(self, record: RequestRecord) -> RequestRecord:
+        """Bring a slot-holding record's FSM and counters up to the device mirror."""
+        if record.slot is not None:
+            record.fsm.state = _LABELS[self.slot_state[record.slot]]
+            record.num_frames = int(self.slot_frames[record.slot])
+            record.finish_reason = FinishReason(int(self.slot_reason[record.slot]))
+        return record
+
+    # -- validation (no mutation) -------------------------------------------------------
+
+    def _known(self, request_id: str, what: str) -> RequestRecord:
+        record = self.records.get(request_id)
+        if record is None:
+            raise UnknownRequestError(request_id, what)
+        return self.sync(record)
+
+    def _check_host_trigger(self, record: RequestRecord, trigger: Trigger) -> None:
+        if not self.oracle.may(record.fsm, trigger):
+            raise LifecycleError(record.request_id, record.state, trigger)
+
+    def check_new(self, req: NewRequest) -> list[str]:
+        """Problems with a new request's own fields (independent of the table)."""
+        problems = []
+        if req.sampling_width != 1:
+            problems.append(
+                f"sampling width {req.sampling_width} is not supported: current-step MTP builds one frame "
+                "per sampled CB0, so multi-token or speculative sampling would desynchronise frames"
+            )
+        if not isinstance(req.max_frames, int) or req.max_frames < 1:
+            problems.append(f"max_frames must be an int >= 1, got {req.max_frames!r}")
+        if not isinstance(req.seed, int) or not (-(2**63) <= req.seed < 2**63):
+            problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
+        problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
+        problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]
+        return problems
+
+    def _validate(self, plan: StepPlan) -> dict[str, object]:
+        touched: dict[str, str] = {}
+
+        def once(request_id: str, what: str) -> None:
+            if request_id in touched:
+                raise PlanError(request_id, None, f"named twice in one plan ({touched[request_id]} and {what})")
+            touched[request_id] = what
+
+        freed = 0
+        for rid in plan.releases:
+            once(rid, "release")
+            self._check_host_trigger(self._known(rid, "release"), Trigger.RELEASE)
+            freed += 1
+        for rid in plan.aborts:
+            once(rid, "abort")
+            record = self._known(rid, "abort")
+            self._check_host_trigger(record, Trigger.ABORT)
+            freed += record.slot is not None
+        for rid in plan.preempts:
+            once(rid, "preempt")
+            self._check_host_trigger(self._known(rid, "preempt"), Trigger.PREEMPT)
+            freed += 1
+        for rid in plan.resumes:
+            once(rid, "resume")
+            self._check_host_trigger(self._known(rid, "resume"), Trigger.RESUME)
+        prepared = {}
+        for req in plan.new_requests:
+            if req.request_id in self.records or req.request_id in prepared:
+                state = self.records[req.request_id].state.label if req.request_id in self.records else "new"
+                raise DuplicateRequestError(req.request_id, "a request with this id is already in the engine", state)
+            problems = self.check_new(req)
+            if problems:
+                raise AdmissionError(req.request_id, "; ".join(problems))
+            prepared[req.request_id] = self.model.prepare(req.inputs)
+            length = int(prepared[req.request_id].prompt_embeds.shape[0])
+            if length < 1:
+                raise AdmissionError(req.request_id, "the prompt is empty")
+            if length >= self.spec.max_context:
+                raise AdmissionError(
+                    req.request_id,
+                    f"prompt of {length} positions does not fit the context of {self.spec.max_context} "
+                    "(at least one position is needed to produce a frame)",
+                )
+        wanted = len(plan.resumes) + len(plan.new_requests)
+        available = self.allocator.num_free + freed
+        if wanted > available:
+            late = [*plan.resumes, *(r.request_id for r in plan.new_requests)][available]
+            raise SlotTableFullError(
+                late, f"no free slot: {wanted} admissions for {available} free of {self.table.max_slots} slots; "
+                "queue it until a request finishes",
+            )
+        gone = set(plan.aborts) | set(plan.preempts) | set(plan.releases)
+        seen: set[str] = set()
+        for span in plan.rows:
+            if span is None:
+                continue
+            self._validate_span(span, gone, seen, prepared)
+        return prepared
+
+    def _validate_span(self, span: Span, gone: set[str], seen: set[str], prepared: dict) -> None:
+        rid = span.request_id
+        record = self.records.get(rid)
+        if record is not None:
+            self.sync(record)
+        if rid in seen:
+            raise PlanError(rid, None, "scheduled in two rows of one step")
+        seen.add(rid)
+        if rid in prepared:  # admitted by this very plan
+            state, remaining = State.WAITING, int(prepared[rid].prompt_embeds.shape[0])
+        elif record is None:
+            raise PlanError(rid, None, "scheduled but never admitted")
+        elif rid in gone or (record.slot is None and record.state is State.PREEMPTED and rid not in self._resuming):
+            raise PlanError(rid, record.state.label, "scheduled but it holds no slot in this step")
+        else:
+            state = State.WAITING if rid in self._resuming else record.state
+            remaining = self._resume_prompt_len(record) if rid in self._resuming else record.prompt_len - record.num_computed
+        if not isinstance(span.num_tokens, int) or span.num_tokens < 1:
+            raise PlanError(rid, state.label, f"a span needs >= 1 token, got {span.num_tokens!r}")
+        if state in LIVE_STATES:
+            if remaining > 0 and span.num_tokens > remaining:
+                raise PlanError(rid, state.label, f"span of {span.num_tokens} tokens exceeds the {remaining} prompt tokens left")
+            if remaining <= 0 and span.num_tokens != 1:
+                raise PlanError(rid, state.label, f"a decode row takes exactly 1 token, got {span.num_tokens}")
+        elif state not in TERMINAL_STATES:  # terminal rows are legal overruns; nothing else is
+            raise PlanError(rid, state.label, "cannot be scheduled in this state")
+
+    def _resume_prompt_len(self, record: RequestRecord) -> int:
+        return int(record.prepared.prompt_embeds.shape[0]) + record.num_frames
+
+    # -- commit ------------------------------------------------------------------------
+
+    def stage(self, plan: StepPlan) -> HostStep:
+        """Validate the whole plan (raising leaves everything as it was), then commit it."""
+        self._resuming = set(plan.resumes)
+        try:
+            prepared = self._validate(plan)
+        finally:
+            self._resuming = set()
+        ev_slots, ev_triggers, ev_reasons, ended = [], [], [], []
+
+        def event(slot: int, triggers: Iterable[Trigger], reason: FinishReason = FinishReason.NONE) -> None:
+            trig = [int(t) for t in triggers]
+            ev_slots.append(slot)
+            ev_triggers.append(trig + [-1] * (2 - len(trig)))
+            ev_reasons.append(int(reason))
+
+        for rid in plan.releases:
+            record = self.records.pop(rid)
+            self.oracle.fire(record.fsm, Trigger.RELEASE)
+            event(record.slot, [Trigger.RELEASE])
+            self.allocator.release(record.slot)
+        for rid in plan.aborts:
+            record = self.records.pop(rid)
+            self.oracle.fire(record.fsm, Trigger.ABORT)
+            if record.slot is not None:
+                self.oracle.fire(record.fsm, Trigger.RELEASE)
+                event(record.slot, [Trigger.ABORT, Trigger.RELEASE], FinishReason.ABORT)
+                self.allocator.release(record.slot)
+            ended.append(FinishedRequest(rid, FinishReason.ABORT, record.num_frames))
+        for rid in plan.preempts:
+            record = self.records[rid]
+            self.oracle.fire(record.fsm, Trigger.PREEMPT)
+            event(record.slot, [Trigger.PREEMPT, Trigger.RELEASE])
+            # Device-side clone (no sync): the frames resume will replay into the prompt.
+            record.replay_codes = self.table.frame_log[record.slot, : record.num_frames].clone()
+            self.allocator.release(record.slot)
+            record.slot, record.serial = None, 0
+        admitted: list[RequestRecord] = []
+        for rid in plan.resumes:
+            record = self.records[rid]
+            self.oracle.fire(record.fsm, Trigger.RESUME)
+            record.prompt_len, record.num_computed = self._resume_prompt_len(record), 0
+            admitted.append(record)
+        for req in plan.new_requests:
+            record = RequestRecord(req, self.oracle.new(req.request_id), prepared[req.request_id])
+            self.oracle.fire(record.fsm, Trigger.ADMIT)
+            self.records[req.request_id] = record
+            admitted.append(record)
+        for slot in ev_slots:
+            self.slot_state[slot], self.slot_reason[slot] = int(State.FREE), 0
+        for record in admitted:
+            record.slot = self.allocator.allocate()
+            record.serial, self._next_serial = self._next_serial, self._next_serial + 1
+            self.slot_state[record.slot], self.slot_reason[record.slot] = int(State.WAITING), 0
+            self.slot_frames[record.slot] = record.num_frames
+        events = None
+        if ev_slots:
+            events = StagedEvents(
+                torch.tensor(ev_slots, dtype=torch.int64), torch.tensor(ev_triggers, dtype=torch.int64),
+                torch.tensor(ev_reasons, dtype=torch.int32),
+            )
+        admits, replay = self._stage_admits(admitted)
+        batch, row_records, slots_np = self._stage_rows(plan.rows)
+        row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
+        return HostStep(events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended)
+
+    def _stage_admits(self, admitted: list[RequestRecord]):
+        if not admitted:
+            return None, None
+        device = self.table.device
+        longest = max(int(r.prepared.prompt_embeds.shape[0]) for r in admitted)
+        prompts = torch.zeros(len(admitted), longest, self.spec.hidden_size, dtype=self.spec.dtype)
+        for i, r in enumerate(admitted):
+            prompts[i, : r.prepared.prompt_embeds.shape[0]] = r.prepared.prompt_embeds
+        req = [r.request for r in admitted]
+        values = {
+            "serial": [r.serial for r in admitted], "prompt_len": [r.prompt_len for r in admitted],
+            "num_frames": [r.num_frames for r in admitted], "max_frames": [q.max_frames for q in req],
+            "seed": [q.seed for q in req],
+            "cb0_temperature": [q.cb0_sampling.temperature for q in req], "cb0_top_k": [q.cb0_sampling.top_k for q in req],
+            "cb0_top_p": [q.cb0_sampling.top_p for q in req],
+            "mtp_temperature": [q.mtp_sampling.temperature for q in req], "mtp_top_k": [q.mtp_sampling.top_k for q in req],
+            "mtp_top_p": [q.mtp_sampling.top_p for q in req],
+        }
+        columns = self.table.columns()
+        staged = {k: torch.tensor(v, dtype=columns[k].dtype).to(device) for k, v in values.items()}
+        staged["prompt_embeds"] = prompts.to(device)
+        for name in self.table.extra:
+            given = [r.prepared.columns.get(name) for r in admitted]
+            if all(g is None for g in given):
+                continue
+            tail = max(g.shape for g in given if g is not None)
+            stacked = torch.zeros(len(admitted), *tail, dtype=columns[name].dtype)
+            for i, g in enumerate(given):
+                if g is not None:
+                    stacked[i][tuple(slice(0, n) for n in g.shape)] = g
+            staged[name] = stacked.to(device)
+        slots = torch.tensor([r.slot for r in admitted], dtype=torch.int64, device=device)
+        replays = [(r, r.replay_codes) for r in admitted if r.replay_codes is not None and len(r.replay_codes)]
+        replay = None
+        if replays:
+            log = torch.zeros(len(admitted), max(len(c) for _, c in replays), self.spec.num_codebooks, dtype=torch.int64)
+            for i, r in enumerate(admitted):
+                if r.replay_codes is not None:
+                    log[i, : len(r.replay_codes)] = r.replay_codes.cpu()
+            staged["frame_log"] = log.to(device)
+            replay = ReplayFrames(
+                slots=torch.cat([torch.full((len(c),), r.slot, dtype=torch.int64) for r, c in replays]).to(device),
+                frame_index=torch.cat([torch.arange(len(c)) for _, c in replays]).to(device),
+                positions=torch.cat(
+                    [torch.arange(len(c)) + int(r.prepared.prompt_embeds.shape[0]) for r, c in replays]
+                ).to(device),
+                codes=torch.cat([c for _, c in replays]).to(device),
+            )
+            for r, _ in replays:
+                r.replay_codes = None
+        return StagedAdmits(slots, staged), replay
+
+    def _stage_rows(self, rows: tuple[Span | None, ...]):
+        scratch = self.table.max_slots
+        records = [None if s is None else self.records[s.request_id] for s in rows]
+        counts = [0 if s is None else s.num_tokens for s in rows]
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        device = self.table.device
+        idx = [scratch if r is None else r.slot for r in records]
+        token_rows = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts, dtype=torch.int64))
+        qsl = torch.tensor(starts, dtype=torch.int64)
+        live = [r for r in records if r is not None]
+        batch = StepBatch(
+            idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
+            is_padding=torch.tensor([r is None for r in records], dtype=torch.bool).to(device),
+            expected_serial=torch.tensor([0 if r is None else r.serial for r in records], dtype=torch.int64).to(device),
+            num_scheduled=torch.tensor(counts, dtype=torch.int64).to(device),
+            query_start_loc=qsl.to(device),
+            token_rows=token_rows.to(device),
+            token_offsets=(torch.arange(starts[-1]) - qsl[token_rows]).to(device),
+            last_token=(qsl[1:] - 1).clamp(min=0).to(device),
+            cb0_filters=any(r.request.cb0_sampling.filters for r in live),
+            mtp_filters=any(r.request.mtp_sampling.filters for r in live),
+        )
+        for record, n in zip(records, counts):
+            if record is not None and record.state in LIVE_STATES:
+                record.num_computed += n
+        return batch, records, np.array(idx, dtype=np.int64)
+
+    # -- after the step ------------------------------------------------------------------
+
+    def observe(self, host: HostStep, packed: np.ndarray) -> tuple[np.ndarray, list[FinishedRequest]]:
+        """Refresh the mirror from the step's copied output [B, OUT_CODES + Q].
+
+        Returns (indices of rows that published a frame, requests that ended this step).
+        Vectorised: the only Python loops run over published frames and ended requests.
+        """
+        ended = list(host.ended)
+        real = ~host.padding_np
+        if not real.any():
+            return np.zeros(0, dtype=np.int64), ended
+        slots = host.slots_np[real]
+        was_terminal = np.isin(self.slot_state[slots], _TERMINAL_CODES)
+        self.slot_state[slots] = packed[real, OUT_STATE]
+        self.slot_frames[slots] = packed[real, OUT_NUM_FRAMES]
+        self.slot_reason[slots] = packed[real, OUT_REASON]
+        now_terminal = np.isin(packed[:, OUT_STATE], _TERMINAL_CODES) & real
+        newly = np.flatnonzero(now_terminal & ~_scatter(real, was_terminal))
+        for row in newly:
+            record = self.sync(host.row_records[row])
+            ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames))
+        return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
+
+
+def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = np.zeros(mask.shape, dtype=bool)
+    out[mask] = values
+    return out
+
+
+_LABELS = [s.label for s in State]
+_TERMINAL_CODES = np.array([int(s) for s in TERMINAL_STATES])

@@ -1,0 +1,108 @@
+"""What goes into a step (StepPlan, NewRequest) and what comes out (StepOutput, frames)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import attrs
+import torch
+
+from ..lifecycle import FinishReason
+from ..sampling import SamplingParams
+
+
+@attrs.frozen
+class NewRequest:
+    """A request to admit. `inputs` is model-specific (e.g. models.qwen3_tts.TTSInputs)."""
+
+    request_id: str
+    inputs: Any
+    max_frames: int
+    seed: int = 0
+    cb0_sampling: SamplingParams = SamplingParams()
+    mtp_sampling: SamplingParams = SamplingParams()
+    sampling_width: int = 1  # tokens sampled per step; anything but 1 is rejected
+
+
+@attrs.frozen
+class Span:
+    """One scheduled row: `num_tokens` prompt tokens (prefill chunk) or 1 (decode)."""
+
+    request_id: str
+    num_tokens: int
+
+
+@attrs.frozen
+class StepPlan:
+    """Everything the host decided for one step, applied in this order at the boundary:
+    releases, aborts, preempts, then resumes and new requests, then the rows.
+
+    rows: scheduled spans in batch-row order; None is a padding row (inert). Row order is
+    arbitrary and must not change any result.
+    """
+
+    new_requests: tuple[NewRequest, ...] = ()
+    rows: tuple[Span | None, ...] = ()
+    aborts: tuple[str, ...] = ()
+    preempts: tuple[str, ...] = ()
+    resumes: tuple[str, ...] = ()
+    releases: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(rows: dict[str, int] | None = None, **kwargs) -> "StepPlan":
+        """Convenience: StepPlan.of({"a": 8, "b": 1}, new_requests=(...,))."""
+        spans = tuple(Span(rid, n) for rid, n in (rows or {}).items())
+        return StepPlan(rows=spans, **{k: tuple(v) for k, v in kwargs.items()})
+
+
+@attrs.frozen
+class Frame:
+    request_id: str
+    index: int
+    codes: torch.Tensor  # int64 [Q]
+
+
+@attrs.frozen
+class FrameBatch:
+    """Frames published in one step, request-major (one row per request), owned CPU copies."""
+
+    request_ids: tuple[str, ...]
+    frame_index: torch.Tensor  # int64 [N]
+    codes: torch.Tensor  # int64 [N, Q]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __iter__(self) -> Iterator[Frame]:
+        for i, rid in enumerate(self.request_ids):
+            yield Frame(rid, int(self.frame_index[i]), self.codes[i])
+
+    @staticmethod
+    def empty(num_codebooks: int) -> "FrameBatch":
+        return FrameBatch((), torch.zeros(0, dtype=torch.int64), torch.zeros(0, num_codebooks, dtype=torch.int64))
+
+
+@attrs.frozen
+class FinishedRequest:
+    request_id: str
+    reason: FinishReason
+    num_frames: int
+
+
+@attrs.frozen
+class RowOutput:
+    """The step's per-row view (batch order), for adapters that need the row layout."""
+
+    request_ids: tuple[str | None, ...]  # None for padding rows
+    query_start_loc: torch.Tensor  # int64 [B + 1]
+    valid: torch.Tensor  # bool [B]
+    codes: torch.Tensor  # int64 [B, Q]
+
+
+@attrs.frozen
+class StepOutput:
+    step: int
+    frames: FrameBatch
+    finished: tuple[FinishedRequest, ...]
+    rows: RowOutput
+    num_tokens: int

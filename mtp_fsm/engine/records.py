@@ -1,0 +1,51 @@
+"""Host-side request records: the oracle FSM, slot ownership and the published-frame log."""
+
+from __future__ import annotations
+
+import torch
+
+from ..lifecycle import FinishReason, RequestFSM, State
+from ..model_api import PreparedPrompt
+from .plan import NewRequest
+
+
+class RequestRecord:
+    """What the host knows of one request: its oracle FSM, its slot, the host-computed
+    counters, and what resume needs (the prepared prompt, and the published frames'
+    codes captured from the device log at preemption). State and frame counts of a
+    request holding a slot are synced from the ledger's mirror of the device."""
+
+    __slots__ = (
+        "request", "fsm", "prepared", "slot", "serial", "prompt_len", "num_computed",
+        "num_frames", "finish_reason", "replay_codes",
+    )
+
+    def __init__(self, request: NewRequest, fsm: RequestFSM, prepared: PreparedPrompt) -> None:
+        self.request = request
+        self.fsm = fsm
+        self.prepared = prepared
+        self.slot: int | None = None
+        self.serial = 0
+        self.prompt_len = int(prepared.prompt_embeds.shape[0])
+        self.num_computed = 0
+        self.num_frames = 0
+        self.finish_reason = FinishReason.NONE
+        self.replay_codes: torch.Tensor | None = None  # [n, Q] frames published before preemption
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def state(self) -> State:
+        return self.fsm.code
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    def describe(self) -> str:
+        return (
+            f"request {self.request_id!r} state={self.state.label} slot={self.slot} "
+            f"computed={self.num_computed}/{self.prompt_len} frames={self.num_frames}"
+        )

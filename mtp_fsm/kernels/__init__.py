@@ -1,0 +1,31 @@
+"""One kernel per transition stage; `select_backend` picks torch (reference) or Triton."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from ..errors import KernelBackendError
+from . import reference
+from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
+
+BACKENDS = ("torch", "triton", "auto")
+
+
+def select_backend(kernels: str, device: torch.device) -> types.ModuleType:
+    """The module whose stage functions the engine calls (same names, same contract)."""
+    if kernels not in BACKENDS:
+        raise KernelBackendError(f"unknown kernel backend {kernels!r}; choose one of {BACKENDS}")
+    if kernels == "torch" or (kernels == "auto" and device.type != "cuda"):
+        return reference
+    try:
+        from . import triton_kernels
+    except ImportError as exc:  # triton missing, or the Triton backend not built for this install
+        if kernels == "auto":
+            return reference
+        raise KernelBackendError(f"kernels='triton' requested but Triton is unavailable: {exc}") from exc
+    return triton_kernels
+
+
+__all__ = ["BACKENDS", "select_backend", "reference", "ReplayFrames", "StagedAdmits", "StagedEvents", "StepBatch"]

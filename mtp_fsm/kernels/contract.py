@@ -1,0 +1,58 @@
+"""The device-side inputs every kernel backend shares: a step's batch and staged events."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class StagedEvents:
+    """Host events applied at the step boundary: up to two triggers per slot, in order."""
+
+    slots: torch.Tensor  # int64 [E]
+    triggers: torch.Tensor  # int64 [E, 2], -1 = none
+    reasons: torch.Tensor  # int32 [E], finish reason to record (0 = keep)
+
+
+@attrs.frozen
+class StagedAdmits:
+    """Rows to (re)initialise: every column reset, then the given leading slices written."""
+
+    slots: torch.Tensor  # int64 [A]
+    values: dict[str, torch.Tensor]  # column name -> [A, ...] (leading slice of the column)
+
+
+@attrs.frozen
+class ReplayFrames:
+    """Published frames of resumed requests, to be re-embedded into their prompt rows."""
+
+    slots: torch.Tensor  # int64 [N]
+    frame_index: torch.Tensor  # int64 [N]
+    positions: torch.Tensor  # int64 [N], prompt position that carries the frame
+    codes: torch.Tensor  # int64 [N, Q]
+
+
+@attrs.frozen
+class StepBatch:
+    """One step's rows. Rows map to slots via idx_mapping; padding rows point at the
+    scratch row (index max_slots) and have live=False; rows are never reordered."""
+
+    idx_mapping: torch.Tensor  # int64 [B], slot per row, scratch row for padding
+    is_padding: torch.Tensor  # bool [B]
+    expected_serial: torch.Tensor  # int64 [B]
+    num_scheduled: torch.Tensor  # int64 [B]
+    query_start_loc: torch.Tensor  # int64 [B + 1]
+    token_rows: torch.Tensor  # int64 [T], row of each token
+    token_offsets: torch.Tensor  # int64 [T], offset within the row's span
+    last_token: torch.Tensor  # int64 [B], index of the row's last token (0 for empty rows)
+    cb0_filters: bool  # some row restricts CB0 top-k/top-p (host-known: no sync)
+    mtp_filters: bool
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.idx_mapping.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_rows.shape[0])

@@ -1,0 +1,130 @@
+"""The contract between the engine and a talker model adapter (models depend on this only)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+import attrs
+import torch
+
+# A sampler the engine hands to the MTP hook: (logits [B, V], codebook index) -> tokens [B].
+# It applies each row's own MTP sampling parameters and counter-based noise, so the
+# model never sees seeds, generators or request ids.
+CodebookSampler = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@attrs.frozen
+class ColumnSpec:
+    """An extra per-slot column a model registers in the slot table: shape is per row."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: float = 0.0
+
+
+@attrs.frozen
+class ModelSpec:
+    """Static facts about a talker that the engine sizes its tables and kernels from."""
+
+    name: str
+    hidden_size: int
+    num_codebooks: int  # Q; 1 means a single-codebook model with no MTP stage
+    backbone_vocab_size: int  # size of the CB0 head (codec ids + specials)
+    codebook_size: int  # valid code ids are [0, codebook_size) in every codebook
+    eos_token_id: int | None  # codec EOS sampled as CB0 ends the request without a frame
+    max_context: int  # positions per slot in the KV cache (prompt + frames)
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_codebooks > 1
+
+    @property
+    def lifecycle(self) -> str:
+        """Name of the lifecycle variant this model runs under (see mtp_fsm.lifecycle)."""
+        return "mtp" if self.has_mtp else "single_codebook"
+
+
+@attrs.frozen
+class PreparedPrompt:
+    """What a model derives from a request's inputs at admission (host side, once).
+
+    prompt_embeds: [P, H] backbone input embeddings of the prompt.
+    columns: values for the model's registered slot columns (leading dims may be shorter
+      than the column's shape; the rest is filled with the column's fill value).
+    """
+
+    prompt_embeds: torch.Tensor
+    columns: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+
+class TalkerModel(abc.ABC):
+    """A talker backbone plus (optionally) its MTP hook, driven by the lockstep engine.
+
+    Every method is batched over rows and must be free of host synchronisation so a
+    step can be captured whole; rows the engine does not keep are computed and ignored.
+    Results for one row must depend only on that row's inputs (request isolation).
+    """
+
+    spec: ModelSpec
+
+    @abc.abstractmethod
+    def prepare(self, inputs: Any) -> PreparedPrompt:
+        """Turn a request's model-specific inputs into prompt embeddings and column values."""
+
+    def slot_columns(self) -> dict[str, ColumnSpec]:
+        """Extra per-slot columns (text-conditioning, delay buffers, ...). Default: none."""
+        return {}
+
+    @abc.abstractmethod
+    def bind_slots(self, max_slots: int, device: torch.device, columns: dict[str, torch.Tensor] | None = None) -> None:
+        """Allocate per-slot model state (KV cache) for max_slots rows.
+
+        columns: the slot table's tensors for this model's registered columns (rows
+        max_slots + 1, the last is scratch), for models whose forward reads them.
+        """
+
+    @abc.abstractmethod
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        """Clear per-slot model state of these slots (called on admit: no stale KV)."""
+
+    @abc.abstractmethod
+    def text_step(
+        self, columns: dict[str, torch.Tensor], slots: torch.Tensor, frame_index: torch.Tensor
+    ) -> torch.Tensor:
+        """Text conditioning added to the input that carries frame `frame_index`: [B, H].
+
+        columns are the model's registered slot columns; slots index their rows (padding
+        rows point at the scratch row max_slots); return anything finite for those.
+        """
+
+    @abc.abstractmethod
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Backbone over a flat token batch [T, H] writing KV at (slot, position); -> [T, H].
+
+        token_slots is -1 for padding tokens, which must not touch any slot's state.
+        """
+
+    @abc.abstractmethod
+    def cb0_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Backbone head over the hidden state at each row's last token: [B, V0]."""
+
+    def mtp(
+        self, hidden: torch.Tensor, cb0: torch.Tensor, sample: CodebookSampler
+    ) -> torch.Tensor:
+        """Predict the frame's codebooks 1..Q-1 from the sampling hidden state and CB0.
+
+        Returns codes [B, Q] with codes[:, 0] == cb0. Only called when spec.has_mtp.
+        """
+        raise NotImplementedError(f"{self.spec.name} has no MTP stage")
+
+    @abc.abstractmethod
+    def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """Backbone input contribution of a complete frame [B, Q] -> [B, H] (no text step).
+
+        Must be computed in a fixed order per row so the same codes give the same bits
+        whatever the batch (resume recomputes published frames with it).
+        """

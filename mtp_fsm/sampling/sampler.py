@@ -1,0 +1,64 @@
+"""Batched token sampling: temperature, top-k, top-p, greedy, Gumbel-max on counter noise.
+
+Contract (the Triton kernel implements the same): scores = logits / temperature; top-k
+keeps scores >= the k-th largest; top-p then keeps the smallest prefix of the remaining
+scores (sorted descending, softmax in float64) whose mass before it is < top_p; the token
+is argmax(scores + gumbel) over kept ids, ties to the lowest id. Temperature 0 is argmax
+of the raw logits. A row with any non-finite logit is reported as bad.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .noise import gumbel_noise, row_key
+
+NEG_INF = float("-inf")
+
+
+def filter_mask(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, V]: tokens kept by top-k then top-p (rows with k=0, p=1 keep all)."""
+    vocab = scores.shape[-1]
+    ordered, _ = torch.sort(scores, dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = ordered.gather(-1, (k - 1)[:, None])
+    ordered = torch.where(ordered >= kth, ordered, NEG_INF)
+    probs = torch.softmax(ordered.to(torch.float64), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep_sorted = (mass_before < top_p.to(torch.float64)[:, None]) | (top_p >= 1.0)[:, None]
+    keep_sorted &= ordered > NEG_INF
+    # The prefix is contiguous, so its last kept score is the row's threshold.
+    count = keep_sorted.sum(-1).clamp(min=1)
+    threshold = ordered.gather(-1, (count - 1)[:, None])
+    return scores >= torch.maximum(threshold, kth)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    frame_index: torch.Tensor,
+    codebook: int,
+    *,
+    allowed: torch.Tensor | None = None,
+    apply_filters: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. Returns (tokens int64 [B], bad bool [B]).
+
+    allowed: optional bool [V] mask of ids that may be sampled at all (e.g. codec ids + EOS).
+    apply_filters: the host passes False when no row restricts top-k/top-p (skips the sort).
+    """
+    logits = logits.float()
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, NEG_INF)
+    greedy = temperature <= 0
+    scores = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if apply_filters:
+        scores = scores.masked_fill(~filter_mask(scores, top_k, top_p), NEG_INF)
+    noise = gumbel_noise(row_key(seed, frame_index, codebook), logits.shape[-1])
+    scores = torch.where(greedy[:, None], logits, scores + noise)
+    return torch.argmax(scores, dim=-1), bad

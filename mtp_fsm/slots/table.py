@@ -1,0 +1,104 @@
+"""SlotTable: the struct-of-arrays device tensors [max_slots, ...] that hold the truth."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ..lifecycle import FinishReason, State
+from ..model_api import ColumnSpec, ModelSpec
+
+# Sticky error bits (the `error` column); any set bit is an engine bug, reported loudly.
+ERR_IDENTITY = 1  # a row's expected request serial does not match the slot's owner
+ERR_ILLEGAL = 2  # a kernel tried a transition the table does not declare
+ERR_SPAN = 4  # a prefill span runs past the prompt, or a decode row has no frame
+
+
+@attrs.define(eq=False)
+class SlotTable:
+    """Every per-request fact the step kernels read or write, indexed by slot.
+
+    Core columns are attrs fields; a model's own columns live in `extra`. Every column has
+    max_slots + 1 rows: row max_slots is scratch, so padding rows need no branch. Admission
+    re-initialises every column of the row (see `column_defaults`), so a recycled slot
+    carries nothing of its previous owner.
+    """
+
+    max_slots: int
+    max_context: int
+    num_codebooks: int
+    hidden_size: int
+    device: torch.device
+    state: torch.Tensor  # int32 [R], State codes
+    serial: torch.Tensor  # int64 [R], owner's admission serial (0 = none): identity guard
+    prompt_len: torch.Tensor  # int64 [R], prompt positions (incl. replayed frames on resume)
+    num_computed: torch.Tensor  # int64 [R], positions computed (KV written)
+    num_frames: torch.Tensor  # int64 [R], frames published (= next frame index)
+    max_frames: torch.Tensor  # int64 [R], frame budget
+    finish_reason: torch.Tensor  # int32 [R], FinishReason codes
+    last_cb0: torch.Tensor  # int64 [R]
+    frame_embed: torch.Tensor  # [R, H] embedding sum of the last published frame
+    frame_codes: torch.Tensor  # int64 [R, Q] codes of the last published frame
+    frame_log: torch.Tensor  # int64 [R, C, Q] codes of every published frame (resume replays them)
+    seed: torch.Tensor  # int64 [R]
+    cb0_temperature: torch.Tensor
+    cb0_top_k: torch.Tensor
+    cb0_top_p: torch.Tensor
+    mtp_temperature: torch.Tensor
+    mtp_top_k: torch.Tensor
+    mtp_top_p: torch.Tensor
+    error: torch.Tensor  # int32 [R], sticky ERR_* bits
+    prompt_embeds: torch.Tensor  # [R, C, H] prompt (and replayed frame) input embeddings
+    extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+    @classmethod
+    def allocate(
+        cls,
+        max_slots: int,
+        spec: ModelSpec,
+        device: torch.device | str = "cpu",
+        extra_columns: dict[str, ColumnSpec] | None = None,
+    ) -> "SlotTable":
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        device = torch.device(device)
+        h, q, c = spec.hidden_size, spec.num_codebooks, spec.max_context
+        r = max_slots + 1  # the last row is scratch: padding rows read and write it, inertly
+
+        def col(shape=(), dtype=torch.int64):
+            return torch.zeros((r, *shape), dtype=dtype, device=device)
+
+        table = cls(
+            max_slots=max_slots, max_context=c, num_codebooks=q, hidden_size=h, device=device,
+            state=col(dtype=torch.int32), serial=col(), prompt_len=col(), num_computed=col(),
+            num_frames=col(), max_frames=col(), finish_reason=col(dtype=torch.int32), last_cb0=col(),
+            frame_embed=col((h,), spec.dtype), frame_codes=col((q,)), frame_log=col((c, q)), seed=col(),
+            cb0_temperature=col(dtype=torch.float32), cb0_top_k=col(), cb0_top_p=col(dtype=torch.float32),
+            mtp_temperature=col(dtype=torch.float32), mtp_top_k=col(), mtp_top_p=col(dtype=torch.float32),
+            error=col(dtype=torch.int32), prompt_embeds=col((c, h), spec.dtype),
+        )
+        for name, cs in (extra_columns or {}).items():
+            if name in table.columns():
+                raise ValueError(f"model column {name!r} clashes with a core slot-table column")
+            table.extra[name] = torch.full((r, *cs.shape), cs.fill, dtype=cs.dtype, device=device)
+        return table
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        """Every per-slot tensor (core and model columns) by name."""
+        core = {
+            f.name: getattr(self, f.name)
+            for f in attrs.fields(type(self))
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return {**core, **self.extra}
+
+    def column_defaults(self) -> dict[str, float]:
+        """What a freshly admitted row holds in each column unless admission sets it."""
+        defaults = {name: 0.0 for name in self.columns()}
+        defaults["state"] = float(State.WAITING)
+        defaults["finish_reason"] = float(FinishReason.NONE)
+        return defaults
+
+    def row(self, slot: int) -> dict[str, torch.Tensor]:
+        """One slot's values (a copy), for debugging and tests."""
+        return {name: t[slot].clone() for name, t in self.columns().items()}

@@ -1,0 +1,133 @@
+"""A tiny, model-agnostic scripted talker for tests: outputs depend only on a request's own inputs."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ..model_api import CodebookSampler, ColumnSpec, ModelSpec, PreparedPrompt, TalkerModel
+
+PROMPT_VOCAB = 97
+
+
+@attrs.frozen
+class ScriptInputs:
+    """prompt: token ids; eos_at / nan_at: frame index at which CB0 is forced to the codec
+    EOS / the logits become NaN (None = never); mtp_nan_at: same for the MTP logits."""
+
+    prompt: tuple[int, ...]
+    eos_at: int | None = None
+    nan_at: int | None = None
+    mtp_nan_at: int | None = None
+
+
+class ScriptedTalker(TalkerModel):
+    """A stateful toy talker with the same contract as a real one.
+
+    The backbone is a running mean over the slot's cached inputs (a stand-in for
+    attention with a per-slot KV cache), so a frame depends on the request's whole
+    history and a cache mix-up between slots changes frames. Triggers (EOS, NaN) are
+    keyed by the absolute position, which is a pure function of the request's own inputs.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int = 16,
+        num_codebooks: int = 4,
+        codebook_size: int = 32,
+        max_context: int = 96,
+        dtype: torch.dtype = torch.float64,
+        seed: int = 0,
+    ) -> None:
+        eos = codebook_size + 2 if num_codebooks > 1 else codebook_size
+        self.spec = ModelSpec(
+            name="scripted", hidden_size=hidden_size, num_codebooks=num_codebooks,
+            backbone_vocab_size=codebook_size + 4, codebook_size=codebook_size, eos_token_id=eos,
+            max_context=max_context, dtype=dtype,
+        )
+        g = torch.Generator().manual_seed(seed)
+        h, v, q = hidden_size, codebook_size, num_codebooks
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+        self.token_table = rand(PROMPT_VOCAB, h)
+        self.code_tables = rand(q, v, h) * 0.5
+        self.text_table = rand(8, h) * 0.1
+        self.head = rand(h, self.spec.backbone_vocab_size) * 2.0
+        self.mtp_heads = rand(q, h, v) * 2.0
+        self.cache: torch.Tensor | None = None
+        self.columns: dict[str, torch.Tensor] = {}
+
+    def prepare(self, inputs: ScriptInputs) -> PreparedPrompt:
+        ids = torch.tensor([t % PROMPT_VOCAB for t in inputs.prompt], dtype=torch.long)
+        never = -1
+
+        def at(x):
+            return torch.tensor(never if x is None else x, dtype=torch.int64)
+
+        return PreparedPrompt(
+            prompt_embeds=self.token_table[ids],
+            columns={
+                "prompt_len0": torch.tensor(len(ids)), "eos_at": at(inputs.eos_at), "nan_at": at(inputs.nan_at),
+                "mtp_nan_at": at(inputs.mtp_nan_at), "text_key": torch.tensor(sum(inputs.prompt) % 8),
+            },
+        )
+
+    def slot_columns(self) -> dict[str, ColumnSpec]:
+        cols = ("prompt_len0", "eos_at", "nan_at", "mtp_nan_at", "text_key")
+        return {name: ColumnSpec((), torch.int64, -1.0 if name != "text_key" else 0.0) for name in cols}
+
+    def bind_slots(self, max_slots, device, columns=None) -> None:
+        self.cache = torch.zeros(max_slots + 1, self.spec.max_context, self.spec.hidden_size, dtype=self.spec.dtype, device=device)
+        self.columns = columns or {}
+        self._scratch = max_slots
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        self.cache[slots] = 0
+
+    def text_step(self, columns, slots, frame_index):
+        return self.text_table[(columns["text_key"][slots] + frame_index) % 8]
+
+    def forward(self, inputs_embeds, positions, token_slots):
+        slot = torch.where(token_slots >= 0, token_slots, self._scratch)
+        pos = positions.clamp(max=self.spec.max_context - 1)
+        self.cache[slot, pos] = inputs_embeds
+        # Running mean over the slot's cache up to each token's position.
+        window = torch.arange(self.spec.max_context, device=pos.device)[None, :] <= pos[:, None]
+        history = torch.where(window[:, :, None], self.cache[slot], 0.0)
+        hidden = history.sum(1) / (pos[:, None] + 1)
+        # Frame index of the CB0 sampled at this position (for prompt rows it is 0).
+        frame = (pos + 1 - self.columns["prompt_len0"][slot]).clamp(min=0)
+        nan = (frame == self.columns["nan_at"][slot]) & (token_slots >= 0)
+        hidden = torch.where(nan[:, None], float("nan"), hidden)
+        eos = (frame == self.columns["eos_at"][slot]) & (token_slots >= 0)
+        mtp_nan = (frame == self.columns["mtp_nan_at"][slot]) & (token_slots >= 0)
+        flags = torch.stack([eos, mtp_nan], dim=1).to(hidden.dtype)
+        return torch.cat([hidden, flags], dim=1)
+
+    def cb0_logits(self, hidden):
+        h, flags = hidden[:, : self.spec.hidden_size], hidden[:, self.spec.hidden_size:]
+        logits = h @ self.head
+        forced = torch.full_like(logits, -1e4)
+        forced[:, self.spec.eos_token_id] = 1e4
+        return torch.where(flags[:, :1] > 0, forced, logits)
+
+    def mtp(self, hidden, cb0, sample: CodebookSampler):
+        h, flags = hidden[:, : self.spec.hidden_size], hidden[:, self.spec.hidden_size:]
+        codes = [cb0]
+        state = h + self.code_tables[0][cb0]
+        for g in range(1, self.spec.num_codebooks):
+            logits = state @ self.mtp_heads[g]
+            logits = torch.where(flags[:, 1:2] > 0, float("nan"), logits)
+            token = sample(logits, g)
+            codes.append(token)
+            state = state + self.code_tables[g][token]
+        return torch.stack(codes, dim=1)
+
+    def frame_embed(self, codes):
+        out = self.code_tables[0][codes[:, 0].clamp(0, self.spec.codebook_size - 1)]
+        for g in range(1, self.spec.num_codebooks):
+            out = out + self.code_tables[g][codes[:, g].clamp(0, self.spec.codebook_size - 1)]
+        return out
