@@ -96,10 +96,13 @@ class LifecycleSpec:
         used = {t.trigger for t in self.transitions}
         return tuple(t for t in Trigger if t in used)
 
-    def build_machine(self, machine_cls: type[Machine] = Machine, **kwargs) -> Machine:
-        """The single source of truth: a static machine (model=None) over these transitions."""
+    def build_machine(self, machine_cls: type[Machine] = Machine, model=None, **kwargs) -> Machine:
+        """The single source of truth: a static machine (model=None) over these transitions.
+
+        Diagrams pass a GraphMachine class and a throwaway model (graphs hang off models).
+        """
         return machine_cls(
-            model=None,
+            model=model,
             states=[s.label for s in self.states],
             transitions=[
                 {"trigger": t.trigger.label, "source": [s.label for s in t.sources], "dest": t.dest.label}

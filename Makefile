@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` and `make test` (each installs what it needs).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install demo test bench diagrams gpu-check graphviz clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev,triton]" "$(TORCH_PIN)"
+	@touch $(STAMP)
+
+# SVG rendering needs graphviz's `dot`; DOT and Mermaid sources are produced without it.
+graphviz:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) || echo "graphviz install failed: SVGs skipped"; \
+	  else echo "graphviz 'dot' not found (not root): SVGs skipped"; fi; }
+
+demo: install
+	$(VENV)/bin/mtp-fsm demo
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(VENV)/bin/mtp-fsm bench
+
+diagrams: install graphviz
+	$(PY) -m mtp_fsm.lifecycle.diagrams --out diagrams --readme README.md
+
+gpu-check: install
+	$(PY) -m mtp_fsm.kernels.gpu_check --require-gpu
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache .hypothesis
