@@ -108,7 +108,7 @@ class Qwen3TTSTalker(TalkerModel):
             layer.self_attn.o_proj.weight[d] = 0
             layer.mlp.down_proj.weight[d] = 0
         pad_row = t.model.text_embedding.weight[cfg.tts_pad_token_id]
-        pad_row.mul_(100.0)
+        pad_row.mul_(300.0)
         act = F.silu(t.text_projection.linear_fc1(pad_row))
         t.text_projection.linear_fc2.weight[d] = act * (_FLAG_VALUE / act.dot(act))
         t.text_projection.linear_fc2.bias[d] = 0
@@ -139,7 +139,8 @@ class Qwen3TTSTalker(TalkerModel):
         if prompt.shape[0] >= self.config.max_context:
             raise ValueError(f"prompt of {prompt.shape[0]} positions leaves no room in max_context "
                              f"{self.config.max_context}")
-        columns = {"trailing_text": trailing, "trailing_len": torch.tensor(trailing.shape[0], dtype=torch.int64)}
+        length = torch.tensor(trailing.shape[0], dtype=torch.int64, device=self.device)
+        columns = {"trailing_text": trailing, "trailing_len": length}
         return PreparedPrompt(prompt_embeds=prompt, columns=columns)
 
     def slot_columns(self) -> dict[str, ColumnSpec]:
@@ -192,6 +193,8 @@ class Qwen3TTSTalker(TalkerModel):
     @torch.no_grad()
     def text_step(self, columns: dict[str, torch.Tensor], slots: torch.Tensor,
                   frame_index: torch.Tensor) -> torch.Tensor:
+        """trailing_text[slot, f] while f < trailing_len[slot], else T(tts_pad). Padding rows
+        (the scratch row, whose length is 0, or -1) get T(tts_pad)."""
         trailing, lengths = columns["trailing_text"], columns["trailing_len"]
         safe_slot = slots.clamp(min=0).long()
         frame = frame_index.long().expand_as(safe_slot)

@@ -136,12 +136,14 @@ class Qwen3TTSConfig:
         cp_kwargs = {k: v for k, v in cp_raw.items() if k in cp_fields}
         if "head_dim" not in cp_kwargs and "hidden_size" in cp_kwargs:
             cp_kwargs["head_dim"] = cp_kwargs["hidden_size"] // cp_kwargs.get("num_attention_heads", 16)
-        cp_kwargs.setdefault("rope_theta", 10000.0)  # upstream class default when absent
+        # Absent from the file: the upstream class default (released files carry 1e6).
+        cp_kwargs.setdefault("rope_theta", (cp_raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         fields = {f.name for f in attrs.fields(cls)}
         kwargs = {k: v for k, v in talker.items() if k in fields and k not in _ENGINE_KEYS}
         if "head_dim" not in kwargs:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-        kwargs.setdefault("rope_theta", 10000.0)
+        # Newer transformers serialise rope_theta inside rope_parameters.
+        kwargs.setdefault("rope_theta", (talker.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         kwargs.update({k: data[k] for k in _TOP_IDS if k in data})
         engine = data.get("mtp_fsm", {})
         kwargs.update({k: v for k, v in engine.items() if k in _ENGINE_KEYS})

@@ -8,7 +8,7 @@ import torch
 from ..errors import EngineInvariantError
 from ..kernels import select_backend
 from ..kernels.reference import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX
-from ..lifecycle import Oracle, compile_table, lifecycle_for
+from ..lifecycle import FinishReason, Oracle, State, compile_table, lifecycle_for
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import TalkerModel
 from ..slots import SlotTable
@@ -74,9 +74,16 @@ class LockstepEngine:
         return {rid: self.ledger.sync(r).state.label for rid, r in self.ledger.records.items()}
 
     def step(self, plan: StepPlan) -> StepOutput:
+        """Run one lockstep step. A bad plan raises before anything changes; a model that
+        raises mid-step ends that step's scheduled requests with reason error and leaves
+        every other request as it was."""
         host = self.ledger.stage(plan)
         with torch.inference_mode():
-            packed = self._run_device_stages(host)
+            self._apply_boundary(host)
+            try:
+                packed = self._run_rows(host)
+            except Exception as exc:
+                return self._fail_step(host, exc)
             # The step's single device-to-host copy (non-blocking on CUDA; a copy either way,
             # so published data never aliases an engine buffer).
             packed = packed.to("cpu", non_blocking=True, copy=True)
@@ -87,7 +94,8 @@ class LockstepEngine:
 
     # -- device pipeline ----------------------------------------------------------------
 
-    def _run_device_stages(self, host: HostStep) -> torch.Tensor:
+    def _apply_boundary(self, host: HostStep) -> None:
+        """Stage 1: host events, then admissions (and the frames resumed requests replay)."""
         k, table, trans, model = self.kernels, self.table, self._trans, self.model
         if host.events is not None:
             k.apply_host_events(table, trans, host.events)
@@ -96,6 +104,10 @@ class LockstepEngine:
             k.apply_admits(table, trans, host.admits)
             if host.replay is not None:
                 k.replay_frames(table, host.replay, model.frame_embed, model.text_step)
+
+    def _run_rows(self, host: HostStep) -> torch.Tensor:
+        """Stages 2-5 over the step's rows; returns the packed output (+ a global error row)."""
+        k, table, trans, model = self.kernels, self.table, self._trans, self.model
         batch = host.batch
         width = OUT_CODES + self.spec.num_codebooks
         if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
@@ -120,6 +132,26 @@ class LockstepEngine:
         global_row = torch.zeros(1, width, dtype=torch.int64, device=self.device)
         global_row[0, OUT_ERROR] = table.error[: table.max_slots].amax()
         return torch.cat([packed, global_row])
+
+    def _fail_step(self, host: HostStep, exc: Exception) -> StepOutput:
+        detail = f"model raised during step {self.step_count}: {exc!r}"
+        slots, ended = self.ledger.fail_rows(host, detail)
+        if slots:
+            index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            self.table.state[index] = int(State.ABORTED)
+            self.table.finish_reason[index] = int(FinishReason.ERROR)
+        self.step_count += 1
+        rows = len(host.row_ids)
+        return StepOutput(
+            self.step_count - 1,
+            FrameBatch.empty(self.spec.num_codebooks),
+            tuple(host.ended) + tuple(ended),
+            RowOutput(
+                host.row_ids, host.batch.query_start_loc.cpu(), torch.zeros(rows, dtype=torch.bool),
+                torch.zeros(rows, self.spec.num_codebooks, dtype=torch.int64),
+            ),
+            host.batch.num_tokens,
+        )
 
     # -- host side ----------------------------------------------------------------------
 

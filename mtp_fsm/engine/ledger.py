@@ -119,7 +119,10 @@ class Ledger:
             problems = self.check_new(req)
             if problems:
                 raise AdmissionError(req.request_id, "; ".join(problems))
-            prepared[req.request_id] = self.model.prepare(req.inputs)
+            try:
+                prepared[req.request_id] = self.model.prepare(req.inputs)
+            except Exception as exc:  # the model rejected its inputs: reject this request only
+                raise AdmissionError(req.request_id, f"the model could not prepare its inputs: {exc!r}") from exc
             length = int(prepared[req.request_id].prompt_embeds.shape[0])
             if length < 1:
                 raise AdmissionError(req.request_id, "the prompt is empty")
@@ -346,6 +349,26 @@ class Ledger:
             record = self.sync(host.row_records[row])
             ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames))
         return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
+
+
+    def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[FinishedRequest]]:
+        """A step whose model raised: its scheduled live requests end with reason error.
+
+        Returns their slots (for the device write) and their finish records. Requests
+        that were already terminal (overrun rows) are left as they were.
+        """
+        slots, ended = [], []
+        for record in host.row_records:
+            if record is None or record.slot is None:
+                continue
+            self.sync(record)
+            if record.state in TERMINAL_STATES:
+                continue
+            self.oracle.fire(record.fsm, Trigger.ABORT)
+            self.slot_state[record.slot], self.slot_reason[record.slot] = int(State.ABORTED), int(FinishReason.ERROR)
+            slots.append(record.slot)
+            ended.append(FinishedRequest(record.request_id, FinishReason.ERROR, record.num_frames, detail))
+        return slots, ended
 
 
 def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:

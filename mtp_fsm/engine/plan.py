@@ -87,6 +87,7 @@ class FinishedRequest:
     request_id: str
     reason: FinishReason
     num_frames: int
+    detail: str = ""  # why, for reason error (e.g. the model exception of a failed step)
 
 
 @attrs.frozen
