@@ -141,12 +141,40 @@ class Ledger:
                 "queue it until a request finishes",
             )
         gone = set(plan.aborts) | set(plan.preempts) | set(plan.releases)
-        seen: set[str] = set()
-        for span in plan.rows:
-            if span is None:
-                continue
-            self._validate_span(span, gone, seen, prepared)
+        self._validate_rows(plan.rows, gone, prepared)
         return prepared
+
+    def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], prepared: dict) -> None:
+        """Rows of requests that already hold a slot are checked vectorised against the
+        mirror (the steady-state decode batch); anything else, or any row that fails, goes
+        through the per-span check, which names the request and what is wrong."""
+        spans = [s for s in rows if s is not None]
+        special = gone | self._resuming | prepared.keys()
+        records = [self.records.get(s.request_id) for s in spans]
+        simple = [
+            i for i, (s, r) in enumerate(zip(spans, records))
+            if r is not None and r.slot is not None and s.request_id not in special and type(s.num_tokens) is int
+        ]
+        bad: set[int] = set(range(len(spans))) - set(simple)
+        if simple:
+            slots = np.fromiter((records[i].slot for i in simple), np.int64, len(simple))
+            tokens = np.fromiter((spans[i].num_tokens for i in simple), np.int64, len(simple))
+            remaining = np.fromiter((records[i].prompt_len - records[i].num_computed for i in simple), np.int64, len(simple))
+            state = self.slot_state[slots]
+            live, terminal = np.isin(state, _LIVE_CODES), np.isin(state, _TERMINAL_CODES)
+            wrong = (tokens < 1) | (~live & ~terminal)
+            wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != 1)
+            bad.update(simple[i] for i in np.flatnonzero(wrong))
+            if len(np.unique(slots)) != len(slots):
+                bad.update(simple)  # a request in two rows: let the slow path name it
+        seen: set[str] = set()
+        for i, span in enumerate(spans):
+            if i in bad:
+                self._validate_span(span, gone, seen, prepared)
+            elif span.request_id in seen:
+                raise PlanError(span.request_id, None, "scheduled in two rows of one step")
+            else:
+                seen.add(span.request_id)
 
     def _validate_span(self, span: Span, gone: set[str], seen: set[str], prepared: dict) -> None:
         rid = span.request_id
@@ -318,11 +346,12 @@ class Ledger:
             token_rows=token_rows.to(device),
             token_offsets=(torch.arange(starts[-1]) - qsl[token_rows]).to(device),
             last_token=(qsl[1:] - 1).clamp(min=0).to(device),
-            cb0_filters=any(r.request.cb0_sampling.filters for r in live),
-            mtp_filters=any(r.request.mtp_sampling.filters for r in live),
+            cb0_filters=any(r.cb0_filters for r in live),
+            mtp_filters=any(r.mtp_filters for r in live),
         )
-        for record, n in zip(records, counts):
-            if record is not None and record.state in LIVE_STATES:
+        live_now = np.isin(self.slot_state[np.array(idx, dtype=np.int64)], _LIVE_CODES)
+        for record, n, is_live in zip(records, counts, live_now.tolist()):
+            if record is not None and is_live:
                 record.num_computed += n
         return batch, records, np.array(idx, dtype=np.int64)
 
@@ -379,3 +408,4 @@ def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 _LABELS = [s.label for s in State]
 _TERMINAL_CODES = np.array([int(s) for s in TERMINAL_STATES])
+_LIVE_CODES = np.array([int(s) for s in LIVE_STATES])
