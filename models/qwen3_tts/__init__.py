@@ -18,3 +18,16 @@ __all__ = [
     "save_checkpoint",
     "tiny_config",
 ]
+
+
+def tiny_demo_talker(seed: int = 0, **kwargs) -> Qwen3TTSTalker:
+    """The tiny, seeded, randomly initialised talker that `make demo` and the tests run."""
+    return Qwen3TTSTalker(tiny_config(), seed=seed, **kwargs)
+
+
+def text_inputs(text: str) -> TTSInputs:
+    """Request inputs for plain text (the serving CLI's plugin hook)."""
+    return TTSInputs(text=text)
+
+
+__all__ += ["tiny_demo_talker", "text_inputs"]

@@ -10,10 +10,10 @@ from ..kernels import select_backend
 from ..kernels.reference import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX
 from ..lifecycle import FinishReason, Oracle, State, compile_table, lifecycle_for
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import TalkerModel
+from ..model_api import PreparedPrompt, TalkerModel
 from ..slots import SlotTable
 from .ledger import HostStep, Ledger
-from .plan import FrameBatch, RowOutput, StepOutput, StepPlan
+from .plan import FrameBatch, NewRequest, RowOutput, StepOutput, StepPlan
 
 
 class LockstepEngine:
@@ -64,6 +64,26 @@ class LockstepEngine:
     @property
     def num_free_slots(self) -> int:
         return self.ledger.allocator.num_free
+
+    def prepare(self, request: NewRequest) -> PreparedPrompt:
+        """Let the model prepare a request's prompt ahead of admission (the result is kept
+        and reused when this same request object is admitted). Model failures become an
+        AdmissionError naming the request."""
+        return self.ledger.prepare(request)
+
+    def check_new(self, request: NewRequest) -> list[str]:
+        """Problems with a new request's own fields (empty when it is admissible)."""
+        return self.ledger.check_new(request)
+
+    def request_progress(self, request_id: str) -> tuple[int, int, int]:
+        """(positions computed, prompt positions, frames published) as of the last step.
+
+        For a preempted request, the prompt a resume will prefill (prompt + published frames).
+        """
+        record = self.ledger._known(request_id, "report its progress")
+        if record.slot is None:
+            return 0, self.ledger.resume_prompt_len(record), record.num_frames
+        return record.num_computed, record.prompt_len, record.num_frames
 
     def request_state(self, request_id: str):
         """The request's lifecycle state as of the last step (host mirror)."""

@@ -3,6 +3,7 @@ oracle, allocates slots and stages the device inputs of the step."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 import attrs
@@ -44,6 +45,7 @@ class Ledger:
         self.records: dict[str, RequestRecord] = {}
         self._next_serial = 1
         self._resuming: set[str] = set()
+        self._prepared: dict[int, tuple[weakref.ref, object]] = {}  # id(request) -> (request, prompt)
         # Host mirror of the device, per slot, refreshed from each step's output copy.
         rows = table.max_slots + 1
         self.slot_state = np.zeros(rows, dtype=np.int64)
@@ -69,6 +71,20 @@ class Ledger:
     def _check_host_trigger(self, record: RequestRecord, trigger: Trigger) -> None:
         if not self.oracle.may(record.fsm, trigger):
             raise LifecycleError(record.request_id, record.state, trigger)
+
+    def prepare(self, req: NewRequest):
+        """The model's PreparedPrompt for this request object (computed once, kept until admitted)."""
+        cached = self._prepared.get(id(req))
+        if cached is not None and cached[0]() is req:
+            return cached[1]
+        try:
+            prepared = self.model.prepare(req.inputs)
+        except Exception as exc:  # the model rejected its inputs: reject this request only
+            raise AdmissionError(req.request_id, f"inputs rejected by the model: {type(exc).__name__}: {exc}") from exc
+        # Weakly held: a request dropped before admission (queue abort) takes its entry with it.
+        self._prepared[id(req)] = (weakref.ref(req), prepared)
+        weakref.finalize(req, self._prepared.pop, id(req), None)
+        return prepared
 
     def check_new(self, req: NewRequest) -> list[str]:
         """Problems with a new request's own fields (independent of the table)."""
@@ -119,10 +135,7 @@ class Ledger:
             problems = self.check_new(req)
             if problems:
                 raise AdmissionError(req.request_id, "; ".join(problems))
-            try:
-                prepared[req.request_id] = self.model.prepare(req.inputs)
-            except Exception as exc:  # the model rejected its inputs: reject this request only
-                raise AdmissionError(req.request_id, f"the model could not prepare its inputs: {exc!r}") from exc
+            prepared[req.request_id] = self.prepare(req)
             length = int(prepared[req.request_id].prompt_embeds.shape[0])
             if length < 1:
                 raise AdmissionError(req.request_id, "the prompt is empty")
@@ -192,7 +205,7 @@ class Ledger:
             raise PlanError(rid, record.state.label, "scheduled but it holds no slot in this step")
         else:
             state = State.WAITING if rid in self._resuming else record.state
-            remaining = self._resume_prompt_len(record) if rid in self._resuming else record.prompt_len - record.num_computed
+            remaining = self.resume_prompt_len(record) if rid in self._resuming else record.prompt_len - record.num_computed
         if not isinstance(span.num_tokens, int) or span.num_tokens < 1:
             raise PlanError(rid, state.label, f"a span needs >= 1 token, got {span.num_tokens!r}")
         if state in LIVE_STATES:
@@ -203,7 +216,7 @@ class Ledger:
         elif state not in TERMINAL_STATES:  # terminal rows are legal overruns; nothing else is
             raise PlanError(rid, state.label, "cannot be scheduled in this state")
 
-    def _resume_prompt_len(self, record: RequestRecord) -> int:
+    def resume_prompt_len(self, record: RequestRecord) -> int:
         return int(record.prepared.prompt_embeds.shape[0]) + record.num_frames
 
     # -- commit ------------------------------------------------------------------------
@@ -248,9 +261,10 @@ class Ledger:
         for rid in plan.resumes:
             record = self.records[rid]
             self.oracle.fire(record.fsm, Trigger.RESUME)
-            record.prompt_len, record.num_computed = self._resume_prompt_len(record), 0
+            record.prompt_len, record.num_computed = self.resume_prompt_len(record), 0
             admitted.append(record)
         for req in plan.new_requests:
+            self._prepared.pop(id(req), None)
             record = RequestRecord(req, self.oracle.new(req.request_id), prepared[req.request_id])
             self.oracle.fire(record.fsm, Trigger.ADMIT)
             self.records[req.request_id] = record
@@ -298,8 +312,9 @@ class Ledger:
             given = [r.prepared.columns.get(name) for r in admitted]
             if all(g is None for g in given):
                 continue
-            tail = max(g.shape for g in given if g is not None)
-            stacked = torch.zeros(len(admitted), *tail, dtype=columns[name].dtype)
+            tail = tuple(max(dims) for dims in zip(*(g.shape for g in given if g is not None)))
+            # Padding beyond a shorter value (and rows that give none) holds the declared fill.
+            stacked = torch.full((len(admitted), *tail), self.table.extra_fill[name], dtype=columns[name].dtype)
             for i, g in enumerate(given):
                 if g is not None:
                     stacked[i][tuple(slice(0, n) for n in g.shape)] = g

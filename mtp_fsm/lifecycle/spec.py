@@ -128,9 +128,8 @@ def _common(preemptible: Iterable[State]) -> list[Transition]:
         Transition(_T.OVERRUN, (_S.ABORTED,), _S.ABORTED),
         Transition(_T.PREEMPT, live, _S.PREEMPTED),
         Transition(_T.RESUME, (_S.PREEMPTED,), _S.WAITING),
-        # Within-step states are abortable so a row whose model output is non-finite can
-        # end with an error reason in the stage that notices it.
-        Transition(_T.ABORT, (*live, _S.SAMPLED, _S.FRAME_READY, _S.PREEMPTED), _S.ABORTED),
+        # Also fired inside a step: a row whose CB0 logits are non-finite ends with reason error.
+        Transition(_T.ABORT, (*live, _S.PREEMPTED), _S.ABORTED),
         # Releasing a preempted row frees its slot; the request itself stays preempted.
         Transition(_T.RELEASE, (_S.FINISHED, _S.ABORTED, _S.PREEMPTED), _S.FREE),
     ]
@@ -140,6 +139,8 @@ def mtp_lifecycle() -> LifecycleSpec:
     """Generic current-step MTP: CB0 from the backbone, codebooks 1..Q-1 from the MTP hook."""
     transitions = _common(LIVE_STATES_ORDERED)
     transitions.insert(4, Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY))
+    # A row whose MTP logits are non-finite ends with reason error in the MTP stage.
+    transitions.append(Transition(_T.ABORT, (_S.SAMPLED,), _S.ABORTED))
     return LifecycleSpec("mtp", "Current-step MTP talker (Qwen3-TTS, Qwen3-Omni)", tuple(transitions))
 
 

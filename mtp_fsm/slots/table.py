@@ -50,6 +50,7 @@ class SlotTable:
     error: torch.Tensor  # int32 [R], sticky ERR_* bits
     prompt_embeds: torch.Tensor  # [R, C, H] prompt (and replayed frame) input embeddings
     extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    extra_fill: dict[str, float] = attrs.field(factory=dict)  # a fresh row's value per model column
 
     @classmethod
     def allocate(
@@ -81,6 +82,7 @@ class SlotTable:
             if name in table.columns():
                 raise ValueError(f"model column {name!r} clashes with a core slot-table column")
             table.extra[name] = torch.full((r, *cs.shape), cs.fill, dtype=cs.dtype, device=device)
+            table.extra_fill[name] = cs.fill
         return table
 
     def columns(self) -> dict[str, torch.Tensor]:
@@ -94,7 +96,7 @@ class SlotTable:
 
     def column_defaults(self) -> dict[str, float]:
         """What a freshly admitted row holds in each column unless admission sets it."""
-        defaults = {name: 0.0 for name in self.columns()}
+        defaults = {name: self.extra_fill.get(name, 0.0) for name in self.columns()}
         defaults["state"] = float(State.WAITING)
         defaults["finish_reason"] = float(FinishReason.NONE)
         return defaults

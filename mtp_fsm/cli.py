@@ -1,0 +1,159 @@
+"""The `mtp-fsm` command line: demo (serve a batch of TTS requests), plus bench / diagrams hooks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Sequence
+
+DEMO_TEXTS = (
+    "Hello there, how are you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Please turn left at the next corner.",
+    "It looks like rain this afternoon.",
+    "Your order has shipped.",
+    "Thank you for calling, please hold.",
+    "The meeting starts at nine tomorrow.",
+    "I would like a cup of tea.",
+    "Trains to the airport leave every ten minutes.",
+    "Good morning, everyone.",
+    "Remember to back up your files.",
+    "The museum is closed on Mondays.",
+    "She sells sea shells by the sea shore.",
+    "Welcome back, we missed you.",
+    "Dinner will be ready in five minutes.",
+    "Have a safe trip home.",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .serving.model_loader import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="mtp-fsm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="serve a batch of TTS requests with the tiny random model")
+    demo.add_argument("--requests", type=int, default=16, help="number of requests (texts are cycled)")
+    demo.add_argument("--max-slots", type=int, default=8, help="slot table rows (concurrent requests)")
+    demo.add_argument("--prefill-chunk", type=int, default=32, help="prompt tokens per prefill chunk")
+    demo.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
+    demo.add_argument("--seed", type=int, default=0, help="model weights seed; request i samples with seed+i")
+    demo.add_argument("--max-frames", type=int, default=48, help="frame budget per request")
+    demo.add_argument("--model", default=DEFAULT_MODEL, help="talker factory as 'package.module:factory'")
+    demo.add_argument("--out", default="demo_out", help="output folder (states.png, frames.jsonl)")
+    demo.add_argument("--preempt-after", type=int, default=None, metavar="N",
+                      help="preempt the newest running request when the queue head waited N steps for a slot")
+    demo.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
+    demo.add_argument("--threads", type=int, default=1,
+                      help="torch intra-op threads (0: torch's default); the tiny model's ops are too small to "
+                           "gain from more, and on a busy machine extra threads spin and slow every step")
+    demo.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    for name, what in (("bench", "benchmarks (mtp_fsm.bench)"), ("diagrams", "lifecycle diagrams (mtp_fsm.lifecycle.diagrams)")):
+        # add_help=False: --help belongs to the plugin, which parses its own arguments.
+        p = sub.add_parser(name, help=f"{what}; arguments are passed through", add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "demo":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return run_demo(args)
+    module = {"bench": "mtp_fsm.bench", "diagrams": "mtp_fsm.lifecycle.diagrams"}[args.command]
+    return _call_optional(module, [*extra, *args.args])
+
+
+def _call_optional(module_name: str, argv: list[str]) -> int:
+    """Run `module_name.main(argv)`; those modules are written separately and imported only here."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # Only "the module itself is missing" is expected; a missing dependency inside it is a real error.
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise
+        module = None
+    entry = getattr(module, "main", None)
+    if entry is None:
+        print(f"mtp-fsm: {module_name}.main is not available in this install", file=sys.stderr)
+        return 2
+    rc = entry(argv)
+    return int(rc) if isinstance(rc, int) else 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        return _demo(args)
+    finally:
+        torch.set_num_threads(previous_threads)  # in-process callers (tests) keep their setting
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .engine import LockstepEngine, NewRequest
+    from .serving import ChunkingSink, JsonlSink, Scheduler, ServingLoop
+    from .serving.model_loader import load_talker
+    from .serving.plots import plot_states
+
+    os.makedirs(args.out, exist_ok=True)
+    talker = load_talker(args.model, seed=args.seed)
+    engine = LockstepEngine(talker.model, args.max_slots, kernels=args.kernels)
+    scheduler = Scheduler(args.max_slots, args.token_budget, args.prefill_chunk, preempt_after_steps=args.preempt_after)
+    chunk_sizes: list[int] = []  # a stand-in vocoder: the demo only counts what it would decode
+    chunker = ChunkingSink(lambda chunk: chunk_sizes.append(len(chunk.frames)), num_codebooks=engine.spec.num_codebooks)
+    jsonl = JsonlSink(os.path.join(args.out, "frames.jsonl"))
+    loop = ServingLoop(engine, scheduler, sinks=(jsonl, chunker))
+    print(f"mtp-fsm demo: {talker.name}, {args.requests} requests, {args.max_slots} slots, "
+          f"budget {args.token_budget}, chunk {args.prefill_chunk}", file=sys.stderr)
+    try:
+        for i in range(args.requests):
+            text = DEMO_TEXTS[i % len(DEMO_TEXTS)]
+            loop.submit(NewRequest(f"req-{i:03d}", talker.text_inputs(text),
+                                   max_frames=args.max_frames, seed=args.seed + i))
+        progress = _Progress(args.requests, loop, enabled=not args.no_progress)
+        loop.run_until_idle(on_step=progress.update)
+        progress.close()
+    finally:
+        jsonl.close()
+    summary = loop.metrics.summary()
+    plot_states(loop.metrics, os.path.join(args.out, "states.png"),
+                title=f"{talker.name}: {args.requests} requests, {args.max_slots} slots")
+    print(summary.table())
+    print(f"{'audio chunks':<23}  {len(chunk_sizes)} (first chunks of {chunker.first_chunk} frames, then {chunker.chunk})")
+    print(f"wrote {os.path.join(args.out, 'states.png')} and {os.path.join(args.out, 'frames.jsonl')}")
+    return 0
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn in place with a carriage return."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, loop, enabled: bool = True) -> None:
+        self.total, self.loop, self.enabled = max(total, 1), loop, enabled
+
+    def update(self, output) -> None:
+        if not self.enabled:
+            return
+        done = self.loop.metrics.num_finished
+        filled = int(self.WIDTH * done / self.total)
+        frames = sum(r.num_frames for r in self.loop.metrics.requests.values())
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        sys.stderr.write(f"\r[{bar}] {done}/{self.total} done  step {output.step + 1}  frames {frames}  ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Resolves a talker from an import string ("pkg.module:factory") at run time: the plugin
+hook that lets the CLI run model adapters without mtp_fsm importing `models` statically."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import attrs
+
+from ..model_api import TalkerModel
+
+DEFAULT_MODEL = "models.qwen3_tts:tiny_demo_talker"
+SCRIPTED_MODEL = "mtp_fsm.serving.model_loader:scripted_talker"
+
+
+@attrs.frozen
+class LoadedTalker:
+    """A talker plus how to turn demo text into its model-specific request inputs."""
+
+    model: TalkerModel
+    text_inputs: Callable[[str], Any]
+    name: str
+
+
+class ModelLoadError(ValueError):
+    """The import string does not name a usable talker factory."""
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """'package.module:attr.path' -> the object it names."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ModelLoadError(f"model {spec!r}: expected an import string 'package.module:factory'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelLoadError(f"model {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ModelLoadError(f"model {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
+    return obj
+
+
+def load_talker(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedTalker:
+    """Call the factory `spec` names with `seed`.
+
+    A factory returns a LoadedTalker, or a bare TalkerModel whose module defines
+    `text_inputs(text)` (how demo text becomes the model's request inputs).
+    """
+    factory = resolve(spec)
+    if not callable(factory):
+        raise ModelLoadError(f"model {spec!r}: {factory!r} is not callable")
+    result = factory(seed=seed)
+    if isinstance(result, LoadedTalker):
+        return result
+    if not isinstance(result, TalkerModel):
+        raise ModelLoadError(f"model {spec!r}: the factory returned {type(result).__name__}, not a TalkerModel")
+    text_inputs = getattr(importlib.import_module(spec.partition(":")[0]), "text_inputs", None)
+    if text_inputs is None:
+        raise ModelLoadError(f"model {spec!r}: its module defines no text_inputs(text); return a LoadedTalker instead")
+    return LoadedTalker(result, text_inputs, result.spec.name)
+
+
+def scripted_talker(seed: int = 0) -> LoadedTalker:
+    """The scripted toy talker: fast, for smoke tests of the serving stack."""
+    from ..testing import ScriptedTalker, ScriptInputs
+
+    model = ScriptedTalker(seed=seed, max_context=128)
+    # Bytes of the text as prompt ids, capped so prompt + frames fit the toy context.
+    return LoadedTalker(model, lambda text: ScriptInputs(prompt=tuple(text.encode()[:48]) or (0,)), "scripted")
