@@ -13,13 +13,14 @@ import torch
 from ..errors import (
     AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
 )
-from ..kernels.contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
+from ..kernels.contract import StagedAdmits, StagedEvents, StepBatch
 from ..lifecycle import LIVE_STATES, TERMINAL_STATES, FinishReason, Oracle, State, Trigger
 from ..model_api import TalkerModel
 from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, Span, StepPlan
 from ..kernels.reference import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID
 from .records import RequestRecord
+from .staging import build_batch, stage_admits
 
 
 @attrs.define
@@ -282,93 +283,20 @@ class Ledger:
                 torch.tensor(ev_slots, dtype=torch.int64), torch.tensor(ev_triggers, dtype=torch.int64),
                 torch.tensor(ev_reasons, dtype=torch.int32),
             )
-        admits, replay = self._stage_admits(admitted)
+        admits, replay = stage_admits(self.table, self.spec, admitted)
         batch, row_records, slots_np = self._stage_rows(plan.rows)
         row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
         return HostStep(events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended)
 
-    def _stage_admits(self, admitted: list[RequestRecord]):
-        if not admitted:
-            return None, None
-        device = self.table.device
-        longest = max(int(r.prepared.prompt_embeds.shape[0]) for r in admitted)
-        prompts = torch.zeros(len(admitted), longest, self.spec.hidden_size, dtype=self.spec.dtype)
-        for i, r in enumerate(admitted):
-            prompts[i, : r.prepared.prompt_embeds.shape[0]] = r.prepared.prompt_embeds
-        req = [r.request for r in admitted]
-        values = {
-            "serial": [r.serial for r in admitted], "prompt_len": [r.prompt_len for r in admitted],
-            "num_frames": [r.num_frames for r in admitted], "max_frames": [q.max_frames for q in req],
-            "seed": [q.seed for q in req],
-            "cb0_temperature": [q.cb0_sampling.temperature for q in req], "cb0_top_k": [q.cb0_sampling.top_k for q in req],
-            "cb0_top_p": [q.cb0_sampling.top_p for q in req],
-            "mtp_temperature": [q.mtp_sampling.temperature for q in req], "mtp_top_k": [q.mtp_sampling.top_k for q in req],
-            "mtp_top_p": [q.mtp_sampling.top_p for q in req],
-        }
-        columns = self.table.columns()
-        staged = {k: torch.tensor(v, dtype=columns[k].dtype).to(device) for k, v in values.items()}
-        staged["prompt_embeds"] = prompts.to(device)
-        for name in self.table.extra:
-            given = [r.prepared.columns.get(name) for r in admitted]
-            if all(g is None for g in given):
-                continue
-            tail = tuple(max(dims) for dims in zip(*(g.shape for g in given if g is not None)))
-            # Padding beyond a shorter value (and rows that give none) holds the declared fill.
-            stacked = torch.full((len(admitted), *tail), self.table.extra_fill[name], dtype=columns[name].dtype)
-            for i, g in enumerate(given):
-                if g is not None:
-                    stacked[i][tuple(slice(0, n) for n in g.shape)] = g
-            staged[name] = stacked.to(device)
-        slots = torch.tensor([r.slot for r in admitted], dtype=torch.int64, device=device)
-        replays = [(r, r.replay_codes) for r in admitted if r.replay_codes is not None and len(r.replay_codes)]
-        replay = None
-        if replays:
-            log = torch.zeros(len(admitted), max(len(c) for _, c in replays), self.spec.num_codebooks, dtype=torch.int64)
-            for i, r in enumerate(admitted):
-                if r.replay_codes is not None:
-                    log[i, : len(r.replay_codes)] = r.replay_codes.cpu()
-            staged["frame_log"] = log.to(device)
-            replay = ReplayFrames(
-                slots=torch.cat([torch.full((len(c),), r.slot, dtype=torch.int64) for r, c in replays]).to(device),
-                frame_index=torch.cat([torch.arange(len(c)) for _, c in replays]).to(device),
-                positions=torch.cat(
-                    [torch.arange(len(c)) + int(r.prepared.prompt_embeds.shape[0]) for r, c in replays]
-                ).to(device),
-                codes=torch.cat([c for _, c in replays]).to(device),
-            )
-            for r, _ in replays:
-                r.replay_codes = None
-        return StagedAdmits(slots, staged), replay
-
     def _stage_rows(self, rows: tuple[Span | None, ...]):
-        scratch = self.table.max_slots
         records = [None if s is None else self.records[s.request_id] for s in rows]
         counts = [0 if s is None else s.num_tokens for s in rows]
-        starts = [0]
-        for n in counts:
-            starts.append(starts[-1] + n)
-        device = self.table.device
-        idx = [scratch if r is None else r.slot for r in records]
-        token_rows = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts, dtype=torch.int64))
-        qsl = torch.tensor(starts, dtype=torch.int64)
-        live = [r for r in records if r is not None]
-        batch = StepBatch(
-            idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
-            is_padding=torch.tensor([r is None for r in records], dtype=torch.bool).to(device),
-            expected_serial=torch.tensor([0 if r is None else r.serial for r in records], dtype=torch.int64).to(device),
-            num_scheduled=torch.tensor(counts, dtype=torch.int64).to(device),
-            query_start_loc=qsl.to(device),
-            token_rows=token_rows.to(device),
-            token_offsets=(torch.arange(starts[-1]) - qsl[token_rows]).to(device),
-            last_token=(qsl[1:] - 1).clamp(min=0).to(device),
-            cb0_filters=any(r.cb0_filters for r in live),
-            mtp_filters=any(r.mtp_filters for r in live),
-        )
-        live_now = np.isin(self.slot_state[np.array(idx, dtype=np.int64)], _LIVE_CODES)
+        batch, slots = build_batch(self.table, records, counts)
+        live_now = np.isin(self.slot_state[slots], _LIVE_CODES)
         for record, n, is_live in zip(records, counts, live_now.tolist()):
             if record is not None and is_live:
                 record.num_computed += n
-        return batch, records, np.array(idx, dtype=np.int64)
+        return batch, records, slots
 
     # -- after the step ------------------------------------------------------------------
 
