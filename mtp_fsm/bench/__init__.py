@@ -1,0 +1,10 @@
+"""Side-by-side benchmarks: lockstep engine vs naive per-request designs, op counts, end to end."""
+
+from .null_model import NullConfig, NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
+from .report import markdown_report, markdown_table, plot_step_time
+from .run import main
+
+__all__ = [
+    "NullConfig", "NullInputs", "NullTalker", "lifecycle_config", "qwen3_tts_sizes",
+    "markdown_report", "markdown_table", "plot_step_time", "main",
+]
