@@ -185,9 +185,12 @@ class LockstepEngine:
             )
         rows_np, rows = packed_np[:-1], packed[:-1]
         valid_rows, ended = self.ledger.observe(host, rows_np)
+        # `packed` is this step's own copy: views of it are owned by the output, and the
+        # advanced indexing below copies again, so FrameBatch and RowOutput never alias.
         codes = rows[:, OUT_CODES:]
+        ids = np.array(host.row_ids, dtype=object)[valid_rows] if len(valid_rows) else ()
         frames = FrameBatch(
-            request_ids=tuple(host.row_ids[i] for i in valid_rows),
+            request_ids=tuple(ids),
             frame_index=rows[valid_rows, OUT_FRAME_INDEX],
             codes=codes[valid_rows],
         )
@@ -195,6 +198,6 @@ class LockstepEngine:
             request_ids=host.row_ids,
             query_start_loc=host.batch.query_start_loc.cpu(),
             valid=torch.from_numpy(rows_np[:, 0] == 1),
-            codes=codes.clone(),
+            codes=codes,
         )
         return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens)
