@@ -88,5 +88,9 @@ def build_batch(table: SlotTable, records: list[RequestRecord | None], counts: l
         last_token=(qsl[1:] - 1).clamp(min=0).to(device),
         cb0_filters=any(r.cb0_filters for r in live),
         mtp_filters=any(r.mtp_filters for r in live),
+        cb0_top_k_max=max((r.request.cb0_sampling.top_k for r in live), default=0),
+        cb0_any_top_p=any(r.request.cb0_sampling.top_p < 1.0 for r in live),
+        mtp_top_k_max=max((r.request.mtp_sampling.top_k for r in live), default=0),
+        mtp_any_top_p=any(r.request.mtp_sampling.top_p < 1.0 for r in live),
     )
     return batch, np.array(idx, dtype=np.int64)

@@ -48,6 +48,12 @@ class StepBatch:
     last_token: torch.Tensor  # int64 [B], index of the row's last token (0 for empty rows)
     cb0_filters: bool  # some row restricts CB0 top-k/top-p (host-known: no sync)
     mtp_filters: bool
+    # Host-known shortcuts for the sampler (never change a result): the largest top_k of
+    # the rows, and whether any row uses top-p. None / True mean "unknown": full sort.
+    cb0_top_k_max: int | None = None
+    cb0_any_top_p: bool = True
+    mtp_top_k_max: int | None = None
+    mtp_any_top_p: bool = True
 
     @property
     def num_rows(self) -> int:

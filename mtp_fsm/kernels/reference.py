@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..lifecycle import FinishReason, State, Trigger
-from ..sampling import sample_tokens
+from ..sampling import frame_key, sample_tokens
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
 
@@ -144,6 +144,7 @@ def sample_cb0(
     tokens, bad = sample_tokens(
         logits, table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot],
         table.seed[slot], table.num_frames[slot], 0, allowed=allowed, apply_filters=batch.cb0_filters,
+        top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p,
     )
     ok = kept & ~bad
     new, ill_prefill = fire(trans, Trigger.PREFILL, state, live & ~kept)
@@ -170,10 +171,12 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     bad = torch.zeros(slot.shape, dtype=torch.bool, device=slot.device)
     temperature, top_k, top_p = table.mtp_temperature[slot], table.mtp_top_k[slot], table.mtp_top_p[slot]
     seed, frame_index = table.seed[slot], table.num_frames[slot]
+    key = frame_key(seed, frame_index)  # shared by the frame's Q-1 codebooks
 
     def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
         tokens, row_bad = sample_tokens(
-            logits, temperature, top_k, top_p, seed, frame_index, codebook, apply_filters=batch.mtp_filters
+            logits, temperature, top_k, top_p, seed, frame_index, codebook, apply_filters=batch.mtp_filters,
+            key=key, top_k_max=batch.mtp_top_k_max, any_top_p=batch.mtp_any_top_p,
         )
         bad.logical_or_(row_bad)
         return tokens

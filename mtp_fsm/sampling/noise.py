@@ -29,13 +29,23 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_key(seed: torch.Tensor, frame_index: torch.Tensor, codebook: int | torch.Tensor) -> torch.Tensor:
-    """Per-row hash state for one (request seed, frame index, codebook): int64 [B]."""
+def frame_key(seed: torch.Tensor, frame_index: torch.Tensor) -> torch.Tensor:
+    """Per-row hash state for one (request seed, frame index): int64 [B]. Computed once
+    per step and shared by every codebook of the frame."""
     seed = seed.to(torch.int64)
     h = mix32(seed & MASK32)
     h = mix32(h ^ ((seed >> 32) & MASK32))
-    h = mix32(h ^ (frame_index.to(torch.int64) & MASK32))
-    return mix32(h ^ (torch.as_tensor(codebook, dtype=torch.int64, device=seed.device) & MASK32))
+    return mix32(h ^ (frame_index.to(torch.int64) & MASK32))
+
+
+def codebook_key(key: torch.Tensor, codebook: int) -> torch.Tensor:
+    """Row keys for one codebook of the frame (codebook is a host int: no device copy)."""
+    return mix32(key ^ (int(codebook) & MASK32))
+
+
+def row_key(seed: torch.Tensor, frame_index: torch.Tensor, codebook: int) -> torch.Tensor:
+    """Per-row hash state for one (request seed, frame index, codebook): int64 [B]."""
+    return codebook_key(frame_key(seed, frame_index), codebook)
 
 
 def token_hash(key: torch.Tensor, vocab_size: int) -> torch.Tensor:

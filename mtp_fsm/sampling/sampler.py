@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .noise import gumbel_noise, row_key
+from .noise import codebook_key, frame_key, gumbel_noise
 
 NEG_INF = float("-inf")
 
@@ -33,6 +33,17 @@ def filter_mask(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return scores >= torch.maximum(threshold, kth)
 
 
+def top_k_mask(scores: torch.Tensor, top_k: torch.Tensor, top_k_max: int) -> torch.Tensor:
+    """filter_mask for batches where no row uses top-p: only the top_k_max largest scores
+    are needed (topk instead of a full sort), and the kept set is the same."""
+    vocab = scores.shape[-1]
+    k_max = min(top_k_max, vocab)
+    best = torch.topk(scores, k_max, dim=-1).values
+    k = torch.where(top_k > 0, top_k.clamp(max=k_max), torch.full_like(top_k, k_max))
+    kth = best.gather(-1, (k - 1)[:, None])
+    return (scores >= kth) | (top_k <= 0)[:, None]
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -44,11 +55,17 @@ def sample_tokens(
     *,
     allowed: torch.Tensor | None = None,
     apply_filters: bool = True,
+    key: torch.Tensor | None = None,
+    top_k_max: int | None = None,
+    any_top_p: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens int64 [B], bad bool [B]).
 
     allowed: optional bool [V] mask of ids that may be sampled at all (e.g. codec ids + EOS).
-    apply_filters: the host passes False when no row restricts top-k/top-p (skips the sort).
+    The rest are host-known shortcuts that never change a result: apply_filters=False when
+    no row restricts top-k/top-p; key = frame_key(seed, frame_index) precomputed for the
+    step; top_k_max (the largest top_k of the rows) with any_top_p=False lets top-k use
+    topk instead of a sort.
     """
     logits = logits.float()
     bad = ~torch.isfinite(logits).all(dim=-1)
@@ -58,7 +75,12 @@ def sample_tokens(
     greedy = temperature <= 0
     scores = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     if apply_filters:
-        scores = scores.masked_fill(~filter_mask(scores, top_k, top_p), NEG_INF)
-    noise = gumbel_noise(row_key(seed, frame_index, codebook), logits.shape[-1])
+        if not any_top_p and top_k_max is not None and top_k_max > 0:
+            keep = top_k_mask(scores, top_k, top_k_max)
+        else:
+            keep = filter_mask(scores, top_k, top_p)
+        scores = scores.masked_fill(~keep, NEG_INF)
+    key = frame_key(seed, frame_index) if key is None else key
+    noise = gumbel_noise(codebook_key(key, codebook), logits.shape[-1])
     scores = torch.where(greedy[:, None], logits, scores + noise)
     return torch.argmax(scores, dim=-1), bad
