@@ -25,6 +25,11 @@ def select_backend(kernels: str, device: torch.device) -> types.ModuleType:
         if kernels == "auto":
             return reference
         raise KernelBackendError(f"kernels='triton' requested but Triton is unavailable: {exc}") from exc
+    problem = triton_kernels.unsupported(device)
+    if problem is not None:  # e.g. a CPU device without TRITON_INTERPRET=1 (set before triton is imported)
+        if kernels == "auto":
+            return reference
+        raise KernelBackendError(f"kernels='triton' cannot run on {device}: {problem}")
     return triton_kernels
 
 

@@ -1,0 +1,329 @@
+"""GPU checks of the Triton backend: `python -m mtp_fsm.kernels.gpu_check`.
+
+On a CUDA machine:
+1. parity: one schedule (chunked prefill, EOS, NaN aborts, preempt + resume, abort,
+   overrun) through kernels="torch" and kernels="triton", ScriptedTalker float32 and the
+   tiny Qwen3-TTS when `models.qwen3_tts` is importable: identical frames, finish reasons
+   and slot tables after every step;
+2. CUDA graphs: the whole device step (compose, backbone, CB0 sampling, MTP, publish) is
+   captured per padded batch bucket over persistent StepBatch buffers and replayed; every
+   replay must equal the eager run of the same padded batch (packed output and every
+   slot-table column, bit for bit) on a twin engine;
+3. no host sync: admission, prefill, decode, preempt/resume and abort steps run their
+   device stages under torch.cuda.set_sync_debug_mode("error");
+4. launches per decode step, counted with torch.profiler at batch 1, 64 and 256 (must be
+   constant for the FSM stages);
+5. timing: engine.step (eager), eager stages on the padded batch, graph replay.
+Then one summary table. Without CUDA it says so and exits 0 (2 with --require-gpu).
+--cpu-dry-run runs checks 1 and 2 (eager padded buckets, no graphs) on the CPU under the
+Triton interpreter, to exercise this script's own logic.
+
+The step machinery (padded buckets, graph capture, launch labels) is in step_harness.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+
+import torch
+
+from .step_harness import (
+    Labeled, PaddedEngine, PaddedStep, admitted_engine, decode_plan, device_stages, finish, label_model,
+    lockstep_plans, outputs_equal, qwen, qwen_requests, scripted, scripted_requests, step_with, tables_equal,
+)
+
+RESULTS: list[tuple[str, str, str]] = []
+DEFAULT_BUCKETS = (1, 8, 64, 256)
+
+
+def record(check: str, ok: bool | None, detail: str) -> None:
+    status = "INFO" if ok is None else ("PASS" if ok else "FAIL")
+    RESULTS.append((check, status, detail))
+    print(f"[{status}] {check}: {detail}", flush=True)
+
+
+def guarded(check: str):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # a check that crashes is a failed check, the others still run
+                traceback.print_exc()
+                record(check, False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        return run
+    return wrap
+
+
+# -- 1. parity --------------------------------------------------------------------------------
+
+
+def run_parity(name: str, make_model, requests, device, slots: int = 3, max_steps: int = 80) -> None:
+    from ..engine import LockstepEngine
+
+    engines = [LockstepEngine(make_model(), slots, device=device, kernels=k) for k in ("torch", "triton")]
+    pending, state, frames, steps = list(requests), {}, 0, 0
+    for steps in range(1, max_steps + 1):
+        plan, done = lockstep_plans(engines[0], pending, state)
+        if done:
+            break
+        outs = [e.step(plan) for e in engines]
+        frames += len(outs[0].frames)
+        diff = tables_equal(engines[0].table, engines[1].table)
+        if not outputs_equal(*outs) or diff:
+            record(f"parity {name}", False, f"step {steps}: outputs equal={outputs_equal(*outs)}, columns differing={diff}")
+            return
+    record(f"parity {name}", True, f"{steps} steps, {frames} frames, identical outputs and slot tables")
+
+
+# -- 2. padded buckets and CUDA graphs -------------------------------------------------------------
+
+
+def run_graphs(name: str, make, make_requests, buckets, device, steps: int, timing: dict | None,
+               use_graphs: bool = True) -> None:
+    for bucket in buckets:
+        label = f"{'graph replay == eager' if use_graphs else 'padded bucket == engine.step'} {name} b={bucket}"
+        guarded(label)(graph_bucket)(label, make, make_requests, bucket, device, steps, timing, use_graphs)
+
+
+def graph_bucket(label, make, make_requests, bucket, device, steps, timing, use_graphs) -> None:
+    """Twin engines, same plans: eager padded stages (or engine.step) vs padded replay."""
+    rows = max(1, bucket - (bucket > 1))  # leave one padding row in the bucket when possible
+    eager, padded = (admitted_engine(make, rows, device, make_requests=make_requests) for _ in range(2))
+    driver = PaddedEngine(padded, [bucket], use_graphs)
+    for i in range(steps):
+        plan = decode_plan(eager)
+        if not plan.rows:
+            break
+        if use_graphs:
+            host = eager.ledger.stage(plan)
+            ps = driver.stepper(host.batch.num_rows, (host.batch.cb0_filters, host.batch.mtp_filters))
+            twin = PaddedStep(eager, ps.bucket, (ps.batch.cb0_filters, ps.batch.mtp_filters))
+            n = twin.load(host.batch)
+            out = twin.run_eager()
+            out_a = finish(eager, host, torch.cat([out[:n], out[-1:]]))
+        else:
+            out_a = eager.step(plan)
+        out_b = driver.step(plan)
+        diff = tables_equal(eager.table, padded.table)
+        if not outputs_equal(out_a, out_b) or diff:
+            record(label, False, f"step {i}: outputs equal={outputs_equal(out_a, out_b)}, columns differing={diff}")
+            return
+    record(label, driver.padded_steps > 0, f"{driver.padded_steps} decode steps of {rows} rows, outputs and tables equal")
+    if use_graphs and timing is not None:
+        timing[bucket] = time_bucket(make, rows, bucket, device)
+
+
+def time_bucket(make, rows: int, bucket: int, device, iters: int = 20) -> dict:
+    """ms per decode step: engine.step (eager, unpadded), eager stages (padded), graph replay."""
+    out = {}
+    engine = admitted_engine(make, rows, device, max_frames=10 * iters)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        engine.step(decode_plan(engine))
+    out["engine.step"] = (time.perf_counter() - t) / iters * 1e3
+    ps = PaddedStep(engine, bucket, (True, True))
+    ps.capture()
+    ps.load(engine.ledger.stage(decode_plan(engine)).batch)  # the device state runs ahead of the ledger from here
+    for name, fn in (("eager stages", ps.run_eager), ("graph replay", ps.replay)):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t) / iters * 1e3
+    return out
+
+
+@guarded("graph capture, torch backend")
+def try_reference_capture(device) -> None:
+    engine = admitted_engine(lambda: scripted(device), 2, device, kernels="torch")
+    try:
+        PaddedStep(engine, 8, (True, True)).capture()
+        record("graph capture, torch backend", None, "captured")
+    except Exception as exc:
+        torch.cuda.synchronize()
+        record("graph capture, torch backend", None, f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+
+
+# -- 3. host syncs ----------------------------------------------------------------------------------
+
+
+def run_sync_check(name: str, make_model, requests, device, kernels: str, slots: int = 3, expect: bool | None = True):
+    from ..engine import LockstepEngine
+    from ..kernels.topp_fixed import fixed_tables
+    from ..sampling.noise import gumbel_table
+
+    gumbel_table(device), fixed_tables(device)  # cached tables: their one-time upload is not a step's sync
+    engine = LockstepEngine(make_model(), slots, device=device, kernels=kernels)
+    pending, state, steps = list(requests), {}, 0
+
+    def stages(host):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return device_stages(engine, host)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    try:
+        for steps in range(1, 80):
+            plan, done = lockstep_plans(engine, pending, state)
+            if done:
+                break
+            step_with(engine, plan, stages)
+    except Exception as exc:
+        where = "".join(traceback.format_exception(exc)[-4:-1]).strip().splitlines()
+        record(f"no host sync {name} [{kernels}]", False if expect else None,
+               f"step {steps}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]} at {where[0].strip()[:120] if where else '?'}")
+        return
+    record(f"no host sync {name} [{kernels}]", True if expect else None,
+           f"{steps} steps (admit, prefill, decode, preempt/resume, abort) under sync_debug_mode('error')")
+
+
+# -- 4. launches --------------------------------------------------------------------------------------
+
+
+def count_launches(engine) -> Counter:
+    """Kernel launches of one decode step's device stages, by innermost stage/model label."""
+    from torch.profiler import ProfilerActivity, profile
+
+    host = engine.ledger.stage(decode_plan(engine))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.inference_mode():
+            packed = device_stages(engine, host)
+        torch.cuda.synchronize()
+    finish(engine, host, packed)
+    events = list(prof.events())
+    counts: Counter = Counter()
+    for evt in events:  # kernels (and memsets / copies) are attached to the innermost torch op or range
+        kernels = getattr(evt, "kernels", None) or []
+        if not kernels:
+            continue
+        label, parent = "other (engine glue)", evt
+        while parent is not None:
+            if parent.name.startswith(("stage:", "model:")):
+                label = parent.name
+                break
+            parent = parent.cpu_parent
+        counts[label] += len(kernels)
+    on_device = sum(1 for e in events if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    if on_device > sum(counts.values()):  # launched outside any torch op / range (e.g. no linked correlation)
+        counts["unattributed device activities"] = on_device - sum(counts.values())
+    return counts
+
+
+@guarded("launch counts")
+def run_launch_counts(sizes, device) -> None:
+    table = {}
+    for rows in sizes:
+        engine = admitted_engine(lambda: scripted(device), rows, device)
+        engine.kernels = Labeled(engine.kernels)
+        label_model(engine.model)
+        engine.step(decode_plan(engine))  # warm: every variant compiled
+        table[rows] = count_launches(engine)
+    labels = sorted(set().union(*table.values()))
+    print("\nkernel launches per decode step (device stages)")
+    print(f"{'label':34s}" + "".join(f"{f'b={r}':>8s}" for r in sizes))
+    for label in labels:
+        print(f"{label:34s}" + "".join(f"{table[r].get(label, 0):8d}" for r in sizes))
+    fsm = {r: sum(v for k, v in table[r].items() if k.startswith("stage:")) for r in sizes}
+    total = {r: sum(table[r].values()) for r in sizes}
+    print(f"{'FSM stages total':34s}" + "".join(f"{fsm[r]:8d}" for r in sizes))
+    print(f"{'all':34s}" + "".join(f"{total[r]:8d}" for r in sizes) + "\n")
+    record("launches constant (FSM stages)", len(set(fsm.values())) == 1 and fsm[sizes[0]] > 0,
+           ", ".join(f"b={r}: {fsm[r]}" for r in sizes))
+    record("launches constant (whole step)", len(set(total.values())) == 1 if len(set(fsm.values())) == 1 else False,
+           ", ".join(f"b={r}: {total[r]}" for r in sizes) + " (model kernels included)")
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def summary(timing: dict) -> int:
+    width = max(len(c) for c, _, _ in RESULTS) if RESULTS else 10
+    print("\n" + "=" * 100)
+    print(f"{'check':{width}s}  status  detail")
+    for check, status, detail in RESULTS:
+        print(f"{check:{width}s}  {status:6s}  {detail}")
+    if timing:
+        print(f"\n{'bucket':>8s} {'engine.step ms':>15s} {'eager stages ms':>16s} {'graph replay ms':>16s} {'speedup':>8s}")
+        for bucket, t in timing.items():
+            print(f"{bucket:8d} {t['engine.step']:15.3f} {t['eager stages']:16.3f} {t['graph replay']:16.3f} "
+                  f"{t['eager stages'] / max(t['graph replay'], 1e-9):7.1f}x")
+    failed = [c for c, s, _ in RESULTS if s == "FAIL"]
+    print("=" * 100)
+    print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mtp_fsm.kernels.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--require-gpu", action="store_true", help="exit 2 when no CUDA device is present")
+    parser.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)), help="padded batch buckets")
+    parser.add_argument("--steps", type=int, default=6, help="decode steps per bucket")
+    parser.add_argument("--no-qwen", action="store_true", help="skip the tiny Qwen3-TTS checks")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="CPU + Triton interpreter: parity and padded buckets")
+    args = parser.parse_args(argv)
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    if args.cpu_dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device here; nothing to check (the CPU path is covered by `pytest tests/kernels`, "
+                  "which runs the Triton kernels under TRITON_INTERPRET=1).")
+            return 2 if args.require_gpu else 0
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            print("gpu_check: unset TRITON_INTERPRET to run the compiled Triton kernels on the GPU")
+            return 2
+        device = torch.device("cuda")
+    try:
+        from . import triton_kernels
+    except ImportError as exc:
+        print(f"gpu_check: the Triton backend cannot be imported: {exc}")
+        return 2 if (args.require_gpu or args.cpu_dry_run) else 0
+    problem = triton_kernels.unsupported(device)
+    if problem:
+        print(f"gpu_check: {problem}")
+        return 2
+    print(f"gpu_check on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
+          f"torch {torch.__version__}", flush=True)
+    timing: dict = {}
+    q = None if args.no_qwen else qwen(device)
+
+    guarded("parity scripted")(run_parity)("scripted float32", lambda: scripted(device),
+                                           scripted_requests(6 if args.cpu_dry_run else 12), device)
+    if q is not None:
+        guarded("parity qwen3_tts")(run_parity)("qwen3_tts tiny float32", lambda: qwen(device)[0],
+                                               qwen_requests(q[1], 3), device, 2)
+    else:
+        record("parity qwen3_tts", None, "skipped (--no-qwen)" if args.no_qwen else "models.qwen3_tts not importable: skipped")
+    small = tuple(b for b in buckets if b <= 8)
+    qwen_reqs = None if q is None else (lambda n: qwen_requests(q[1], n))
+    if args.cpu_dry_run:
+        run_graphs("scripted", lambda: scripted(device), None, small, device, args.steps, None, use_graphs=False)
+        return summary(timing)
+    run_graphs("scripted", lambda: scripted(device), None, buckets, device, args.steps, timing)
+    if q is not None:
+        run_graphs("qwen3_tts", lambda: qwen(device)[0], qwen_reqs, small, device, args.steps, None)
+    guarded("no host sync")(run_sync_check)("scripted", lambda: scripted(device), scripted_requests(8), device, "triton")
+    guarded("no host sync")(run_sync_check)("scripted", lambda: scripted(device), scripted_requests(8), device, "torch",
+                                            expect=None)
+    if q is not None:
+        guarded("no host sync qwen")(run_sync_check)("qwen3_tts", lambda: qwen(device)[0], qwen_requests(q[1], 3), device,
+                                                     "triton", 2)
+    run_launch_counts(tuple(s for s in (1, 64, 256) if s <= max(buckets)) or (1,), device)
+    try_reference_capture(device)  # last: a failed capture is reported, then nothing else runs on this context
+    return summary(timing)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

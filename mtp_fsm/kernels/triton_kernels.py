@@ -1,0 +1,316 @@
+"""Triton backend: the stage functions of `reference`, same names, signatures and contract.
+
+Each stage is one fused kernel launch over all rows (guard via the transition table
+tensor, state update, data movement); launches never depend on the batch size:
+
+| stage             | launches                                                         |
+|-------------------|------------------------------------------------------------------|
+| apply_host_events | 1                                                                |
+| apply_admits      | ceil(columns / 12): 2 for the core table + up to 6 model columns |
+| replay_frames     | 1 (+ the model's frame_embed and text_step)                      |
+| compose_inputs    | 2: frame index, then the fused gather (+ the model's text_step)  |
+| sample_cb0        | 1                                                                |
+| mtp_sampler       | 1 memset (bad flags) + 1 per codebook the MTP hook samples       |
+| mtp_scatter       | 1                                                                |
+| publish_frames    | 1                                                                |
+
+A decode step is 6 launches plus Q - 1 MTP sampling launches. No stage reads a device
+value on the host or builds a tensor from host data, so the stages can be captured in a
+CUDA graph (after a warm-up launch has compiled them). Kernels process tiles of rows: one
+row (sampling) or a few per program on a GPU, the whole batch in one program under the
+CPU interpreter (TRITON_INTERPRET=1, set before triton is first imported), whose
+per-program cost is large.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton  # ImportError when Triton is missing: the backend selector reports it
+
+from ..sampling.noise import gumbel_table
+from ..slots import SlotTable
+from . import triton_stages as K
+from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
+from .reference import (  # noqa: F401  (re-exported: the packed output layout)
+    OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, TextStep,
+)
+from .topp_fixed import FX_LIMIT, fixed_tables
+from .triton_sampling import MAX_VOCAB
+
+# True selects the proposed fixed-point top-p rule (kernels/topp_fixed.py); the
+# current contract (float64 softmax) is the default.
+TOPP_FIXED = False
+ADMIT_COLUMNS_PER_LAUNCH = 12
+ROW_BLOCK = 128
+
+
+def _built_for_interpreter() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        return False
+    return isinstance(K.compose_kernel, InterpretedFunction)
+
+
+_INTERPRETED = _built_for_interpreter()
+
+
+def interpreted() -> bool:
+    """Whether these kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
+    return _INTERPRETED
+
+
+def unsupported(device: torch.device) -> str | None:
+    """Why this backend cannot run on `device` (None when it can)."""
+    device = torch.device(device)
+    if interpreted():
+        return None if device.type == "cpu" else f"Triton interpreter mode runs on CPU tensors, not {device}"
+    if device.type != "cuda":
+        return (f"Triton kernels need a GPU; for {device} set TRITON_INTERPRET=1 before triton is first "
+                "imported (interpreter mode), or use kernels='torch'")
+    return None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_RAW[t.element_size()])
+
+
+@functools.lru_cache(maxsize=None)
+def _bits(value: float, dtype: torch.dtype) -> int:
+    return int(torch.tensor(value, dtype=dtype).view(_RAW[dtype.itemsize]).item())
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+def _block(n: int, cap: int = 1024) -> int:
+    return min(cap, triton.next_power_of_2(max(n, 1)))
+
+
+def _ns(trans: torch.Tensor) -> int:
+    """Row stride of the [trigger, state] transition table (the kernels index it flat)."""
+    if not trans.is_contiguous():
+        raise ValueError("the transition table tensor must be contiguous")
+    return int(trans.shape[1])
+
+
+def _row_tile(n: int, gpu: int) -> int:
+    """Rows per program: `gpu` on a GPU; on the interpreter, as many as possible (one
+    program per launch amortises its large per-program overhead)."""
+    return min(64, triton.next_power_of_2(max(n, 1))) if interpreted() else gpu
+
+
+def apply_host_events(table: SlotTable, trans: torch.Tensor, events: StagedEvents) -> None:
+    count = int(events.slots.shape[0])
+    if count == 0:
+        return
+    triggers = events.triggers.contiguous()
+    K.host_events_kernel[(triton.cdiv(count, ROW_BLOCK),)](
+        events.slots, triggers, triggers.stride(0), events.reasons, count,
+        table.state, table.finish_reason, table.serial, table.error, trans,
+        NS=_ns(trans), CHAIN=int(triggers.shape[1]), BLOCK=ROW_BLOCK,
+    )
+
+
+def apply_admits(table: SlotTable, trans: torch.Tensor, admits: StagedAdmits) -> None:
+    """Every column of each admitted row reset, its staged prefix written: launches =
+    ceil(columns / 12), whatever the number of rows; the first also fires `admit`."""
+    slots = admits.slots
+    count = int(slots.shape[0])
+    if count == 0:
+        return
+    defaults = table.column_defaults()
+    specs = []
+    for name, column in table.columns().items():
+        if name in ("state", "error"):
+            continue
+        dst, dst_row = _raw(column), column[0].numel()
+        value = admits.values.get(name)
+        if value is None:
+            src, src_row = dst, 0
+        else:
+            if value.dtype != column.dtype:
+                value = value.to(column.dtype)
+            value = value.contiguous()
+            src_row = value.numel() // count
+            if src_row > dst_row:
+                raise ValueError(f"admit value for column {name!r} has rows of {src_row} > {dst_row} elements")
+            src = _raw(value)
+        specs.append((dst_row, dst, src, src_row, _bits(defaults[name], column.dtype)))
+    specs.sort(key=lambda s: s[0])
+    per = ADMIT_COLUMNS_PER_LAUNCH
+    for start in range(0, len(specs), per):
+        group = specs[start : start + per]
+        widest = max(s[0] for s in group)
+        block = _block(widest, 4096 if interpreted() else 1024)
+        tile = _row_tile(count, 1)
+        args = []
+        for i in range(per):
+            dst_row, dst, src, src_row, default = group[min(i, len(group) - 1)]
+            args += [dst, src, dst_row, src_row, default]
+        K.admit_kernel[(triton.cdiv(count, tile), triton.cdiv(widest, block))](
+            slots, count, table.state, table.error, trans, *args,
+            NS=_ns(trans), NCOL=len(group), FIRE=start == 0, BLOCK_A=tile, BLOCK=block,
+        )
+
+
+def replay_frames(table: SlotTable, replay: ReplayFrames, frame_embed, text_step: TextStep) -> None:
+    count = int(replay.slots.shape[0])
+    if count == 0:
+        return
+    fe = frame_embed(replay.codes)
+    ts = text_step(table.extra, replay.slots, replay.frame_index)
+    if fe.dtype != ts.dtype:
+        promoted = torch.promote_types(fe.dtype, ts.dtype)
+        fe, ts = fe.to(promoted), ts.to(promoted)
+    fe, ts = _rows(fe), _rows(ts)
+    h = table.hidden_size
+    block = _block(h)
+    tile = _row_tile(count, max(1, 2048 // block))
+    K.replay_kernel[(triton.cdiv(count, tile), triton.cdiv(h, block))](
+        replay.slots, replay.positions, count, fe, fe.stride(0), ts, ts.stride(0), table.prompt_embeds,
+        table.max_context, h, BLOCK_N=tile, BLOCK_H=block,
+    )
+
+
+def compose_inputs(table: SlotTable, batch: StepBatch, text_step: TextStep):
+    """Returns (inputs_embeds [T, H], positions [T], token_slots [T]; -1 = inert token)."""
+    slot = batch.idx_mapping
+    rows, tokens, h = batch.num_rows, batch.num_tokens, table.hidden_size
+    device, dtype = table.device, table.frame_embed.dtype
+    frame_index = torch.empty(rows, dtype=torch.int64, device=device)
+    if rows:
+        K.frame_index_kernel[(triton.cdiv(rows, ROW_BLOCK),)](slot, table.num_frames, frame_index, rows, BLOCK=ROW_BLOCK)
+    text = text_step(table.extra, slot, frame_index)
+    if text.dtype != dtype:
+        text = text.to(dtype)
+    text = _rows(text)
+    inputs = torch.empty(tokens, h, dtype=dtype, device=device)
+    positions = torch.empty(tokens, dtype=torch.int64, device=device)
+    token_slots = torch.empty(tokens, dtype=torch.int64, device=device)
+    if max(rows, tokens):
+        block = _block(h)
+        tile = _row_tile(max(rows, tokens), max(1, 2048 // block))
+        K.compose_kernel[(triton.cdiv(max(rows, tokens), tile), triton.cdiv(h, block))](
+            slot, _u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, batch.token_rows,
+            batch.token_offsets, rows, tokens, table.state, table.serial, table.num_computed, table.prompt_len,
+            table.error, table.prompt_embeds, table.frame_embed, text, text.stride(0) if text.dim() == 2 else 0,
+            inputs, positions, token_slots, table.max_context, h, BLOCK_T=tile, BLOCK_H=block,
+        )
+    return inputs, positions, token_slots
+
+
+def _vocab_block(vocab: int) -> int:
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"the Triton sampler handles a vocabulary of up to {MAX_VOCAB} ids in one block, got {vocab}")
+    return triton.next_power_of_2(vocab)
+
+
+def sample_cb0(
+    table: SlotTable,
+    trans: torch.Tensor,
+    batch: StepBatch,
+    logits: torch.Tensor,
+    *,
+    eos_token_id: int | None,
+    allowed: torch.Tensor | None,
+) -> torch.Tensor:
+    """Counters, CB0 sampling with the EOS guard and the state update: one program per row."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return tokens
+    block = _vocab_block(vocab)
+    logits = _rows(logits)
+    noise = gumbel_table(logits.device)
+    hi, lo = fixed_tables(logits.device)
+    tile = _row_tile(rows, 1)
+    K.sample_cb0_kernel[(triton.cdiv(rows, tile),)](
+        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, rows,
+        table.state, table.serial, table.num_computed, table.prompt_len, table.error, table.finish_reason,
+        table.last_cb0, table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k, table.cb0_top_p,
+        trans, logits, logits.stride(0), vocab, noise if allowed is None else _u8(allowed), noise, hi, lo,
+        -1 if eos_token_id is None else int(eos_token_id), tokens,
+        NS=_ns(trans), HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters),
+        TOPP_FIXED=TOPP_FIXED, FX_LIMIT=FX_LIMIT, BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
+    )
+    return tokens
+
+
+def mtp_sampler(table: SlotTable, batch: StepBatch):
+    """The CodebookSampler handed to the model's MTP hook, plus its per-row bad flags.
+
+    Parameters, seed and frame index are read from the table at sampling time; the MTP
+    hook runs between this call and mtp_scatter, where nothing writes those columns."""
+    slot = batch.idx_mapping
+    rows = int(slot.shape[0])
+    bad = torch.zeros(rows, dtype=torch.bool, device=slot.device)
+    filters = bool(batch.mtp_filters)
+
+    def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
+        n, vocab = logits.shape
+        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+        if n == 0:
+            return tokens
+        block = _vocab_block(vocab)
+        logits = _rows(logits)
+        noise = gumbel_table(logits.device)
+        hi, lo = fixed_tables(logits.device)
+        tile = _row_tile(n, 1)
+        K.sample_mtp_kernel[(triton.cdiv(n, tile),)](
+            slot, n, table.num_frames, table.seed, table.mtp_temperature, table.mtp_top_k, table.mtp_top_p,
+            logits, logits.stride(0), vocab, int(codebook), noise, hi, lo, tokens, _u8(bad),
+            APPLY_FILTERS=filters, TOPP_FIXED=TOPP_FIXED, FX_LIMIT=FX_LIMIT, BLOCK_R=tile, BLOCK_V=block,
+            num_warps=_warps(block),
+        )
+        return tokens
+
+    return sample, bad
+
+
+def mtp_scatter(table: SlotTable, trans: torch.Tensor, batch: StepBatch, mtp_bad: torch.Tensor) -> None:
+    rows = batch.num_rows
+    if rows == 0:
+        return
+    K.mtp_scatter_kernel[(triton.cdiv(rows, ROW_BLOCK),)](
+        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, _u8(mtp_bad), rows,
+        table.state, table.serial, table.finish_reason, table.error, trans, NS=_ns(trans), BLOCK=ROW_BLOCK,
+    )
+
+
+def publish_frames(
+    table: SlotTable, trans: torch.Tensor, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor
+) -> torch.Tensor:
+    """Frame cache, counters, publication into the packed output [B, OUT_CODES + Q], length check."""
+    rows, q, h = batch.num_rows, table.num_codebooks, table.hidden_size
+    packed = torch.empty(rows, OUT_CODES + q, dtype=torch.int64, device=table.device)
+    if rows == 0:
+        return packed
+    if codes.dtype != torch.int64:
+        codes = codes.long()
+    frame_embeds = _rows(frame_embeds)
+    block = _block(h)
+    tile = _row_tile(rows, max(1, 1024 // block))
+    K.publish_kernel[(triton.cdiv(rows, tile),)](
+        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, rows, table.state, table.serial,
+        table.num_frames, table.max_frames, table.num_computed, table.finish_reason, table.error, trans,
+        codes, codes.stride(0), codes.stride(1), frame_embeds, frame_embeds.stride(0),
+        table.frame_codes, table.frame_log, table.frame_embed, packed, packed.stride(0),
+        table.max_context, h, q, NS=_ns(trans), OUT_CODES=OUT_CODES, BLOCK_R=tile,
+        BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block,
+    )
+    return packed

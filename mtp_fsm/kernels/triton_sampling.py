@@ -1,0 +1,171 @@
+"""Triton sampling: counter-based hash noise, temperature / top-k / top-p / greedy, Gumbel-max.
+
+A port of `mtp_fsm.sampling` (see the contract in sampling/sampler.py):
+
+- the hash (`mix32`, `row_key`, `token_hash`) uses the same int64 ops with 32-bit masks
+  and multipliers below 2**31, and the Gumbel value is read from the same lookup table
+  tensor (`noise.gumbel_table(device)`), so the noise bits are identical;
+- `logits / temperature` is the correctly rounded division (`div_rn`; Triton's `/` on
+  float32 is approximate on the GPU);
+- top-k keeps scores >= the k-th largest, found by bisection on the float bits (exact);
+- top-p follows the reference's rule (float64 softmax over the top-k filtered row, the
+  sorted prefix whose mass-before < top_p), with the threshold value found by the same
+  bisection instead of a sort. The *set* of kept tokens equals the reference's
+  except when top_p lies within float64 rounding (~1e-16) of the mass before a distinct
+  score value: exp/sum/cumsum rounding is not specified bit-for-bit across libms and
+  reduction orders (torch's own CPU and CUDA softmax differ). See `topp_fixed` for a
+  rule that is exactly reproducible;
+- argmax over kept ids with ties to the lowest id; greedy rows take argmax of the raw
+  (masked) logits.
+
+The whole row lives in one block (vocab up to MAX_VOCAB).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..sampling.noise import MUL_A as _MUL_A, MUL_B as _MUL_B, NOISE_BITS as _NOISE_BITS
+
+MUL_A = tl.constexpr(_MUL_A)
+MUL_B = tl.constexpr(_MUL_B)
+NOISE_SHIFT = tl.constexpr(32 - _NOISE_BITS)
+MAX_VOCAB = 16384
+
+
+@triton.jit
+def mix32(x):
+    """32-bit avalanche mix on int64 values in [0, 2**32): same ops as sampling.noise.mix32."""
+    m = tl.full([], 4294967295, tl.int64)
+    x = x ^ (x >> 16)
+    x = (x * MUL_A) & m
+    x = x ^ (x >> 15)
+    x = (x * MUL_B) & m
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def row_key(seed, frame_index, codebook):
+    m = tl.full([], 4294967295, tl.int64)
+    seed = seed.to(tl.int64)
+    h = mix32(seed & m)
+    h = mix32(h ^ ((seed >> 32) & m))
+    h = mix32(h ^ (frame_index.to(tl.int64) & m))
+    return mix32(h ^ (codebook.to(tl.int64) & m))
+
+
+@triton.jit
+def _order_key(x):
+    """Order-preserving int64 key in [0, 2**32) of float32 values (no NaN)."""
+    b = x.to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _largest_key(keys, weights, need, valid):
+    """Per row, the largest key t with sum(weights where key >= t) >= need (0 if none):
+    a 32-step bisection on the key bits (exact, no sort)."""
+    ans = tl.zeros_like(need).to(tl.int64)
+    one = tl.full([], 1, tl.int64)
+    for i in range(32):
+        cand = ans | (one << (31 - i))
+        got = tl.sum(tl.where(valid & (keys >= cand[:, None]), weights, 0), 1)
+        ans = tl.where(got >= need, cand, ans)
+    return ans
+
+
+@triton.jit
+def _value_at(keys, values, key):
+    return tl.max(tl.where(keys == key[:, None], values, float("-inf")), 1)
+
+
+@triton.jit
+def _fixed_weights(ordered, fx_hi_ptr, fx_lo_ptr, FX_LIMIT: tl.constexpr):
+    """Integer weight of every score: exp(-(max - s)) in fixed point, from tables."""
+    top = tl.max(ordered, 1)
+    d = (top[:, None] - ordered) * 4096.0  # exact scaling by 2**12 (topp_fixed.FX_STEP)
+    q = tl.minimum(d, FX_LIMIT * 1.0)
+    q = tl.where(q == q, q, FX_LIMIT * 1.0).to(tl.int64)  # floor (q >= 0), NaN -> limit
+    q = tl.minimum(q, FX_LIMIT)
+    hi = tl.load(fx_hi_ptr + (q >> 6))
+    lo = tl.load(fx_lo_ptr + (q & 63))
+    return (hi * lo) >> 24
+
+
+@triton.jit
+def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr,
+                TOPP_FIXED: tl.constexpr, FX_LIMIT: tl.constexpr):
+    """Boolean [R, BLOCK_V]: ids kept by top-k then top-p, equal to the reference's
+    sort-based rule without sorting (the interpreter's tl.sort is unusably slow):
+
+    - kth = the k-th largest score: the largest key t with count(key >= t) >= k;
+    - the reference keeps the sorted prefix whose mass-before < top_p and thresholds at
+      its last value v*; v* is the largest value whose inclusive mass (scores >= v) is
+      >= top_p, or the smallest finite score when no value reaches top_p (every position
+      kept), or the largest score when the mass is NaN (no position kept, count -> 1);
+    - keep scores >= max(v*, kth).
+    (A 0-d bool is never combined with a block: the interpreter mis-broadcasts it.)"""
+    # k = V (top_k 0) keeps everything: kth is the smallest score. The searches below run
+    # only when some row of the tile needs them (a branch on device values, no sync).
+    kth = tl.min(tl.where(inb, scores, float("inf")), 1)
+    if tl.max(top_k, 0) > 0:
+        keys = _order_key(scores)
+        k = tl.where(top_k > 0, tl.minimum(top_k, V), V)
+        kth = _value_at(keys, scores, _largest_key(keys, 1, k, inb))
+    kept = tl.where(inb & (scores >= kth[:, None]), scores, float("-inf"))
+    finite = kept > float("-inf")
+    lowest = tl.min(tl.where(finite, kept, float("inf")), 1)
+    lowest = tl.where(lowest == float("inf"), float("-inf"), lowest)
+    vstar = lowest  # top_p >= 1: every finite kept score
+    if tl.min(top_p, 0) < 1.0:
+        keys = _order_key(kept)
+        top = tl.max(kept, 1)
+        if TOPP_FIXED:
+            w = tl.where(finite, _fixed_weights(kept, fx_hi_ptr, fx_lo_ptr, FX_LIMIT), 0)
+            total = tl.sum(w, 1)
+            need = tl.floor(top_p * 16777216.0).to(tl.int64) * total
+            # Always reached (floor(top_p * 2**24) <= 2**24). need == 0 (top_p < 2**-24 or
+            # total 0) holds above the top score too: the reference keeps count 1 -> the top.
+            v_key = tl.minimum(_largest_key(keys, w * 16777216, need, inb), _order_key(top))
+            found = _value_at(keys, kept, v_key)
+        else:
+            o64 = kept.to(tl.float64)
+            e = tl.exp(o64 - tl.max(o64, 1)[:, None])
+            probs = e / tl.sum(e, 1)[:, None]
+            total = tl.sum(probs, 1)
+            need = top_p.to(tl.float64)
+            v_key = _largest_key(keys, probs, need, inb)
+            reached = total >= need
+            found = tl.where(reached, _value_at(keys, kept, v_key), tl.where(total == total, lowest, top))
+        vstar = tl.where(top_p >= 1.0, lowest, found)
+    return scores >= tl.maximum(vstar, kth)[:, None]
+
+
+@triton.jit
+def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, top_p, key, allowed_ptr, gumbel_ptr,
+                fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
+                TOPP_FIXED: tl.constexpr, FX_LIMIT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A tile of rows of `sampling.sample_tokens`: (tokens int64 [R], bad [R])."""
+    offs = tl.arange(0, BLOCK_V)
+    inb = rmask[:, None] & (offs < V)[None, :]
+    x = tl.load(logit_ptr + rows.to(tl.int64)[:, None] * logits_stride + offs[None, :], mask=inb, other=0.0)
+    x = x.to(tl.float32)
+    finite = (x == x) & (tl.abs(x) != float("inf"))
+    bad = tl.sum((inb & ~finite).to(tl.int32), 1) > 0
+    x = tl.where(finite, x, 0.0)
+    if HAS_ALLOWED:
+        ok = tl.load(allowed_ptr + offs, mask=offs < V, other=0) != 0
+        x = tl.where(ok[None, :], x, float("-inf"))
+    x = tl.where(inb, x, float("-inf"))
+    greedy = temperature <= 0
+    scores = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature).to(tl.float32)[:, None])
+    if APPLY_FILTERS:
+        keep = filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr, TOPP_FIXED, FX_LIMIT)
+        scores = tl.where(keep, scores, float("-inf"))
+    h = mix32(key[:, None] ^ offs.to(tl.int64)[None, :])
+    noise = tl.load(gumbel_ptr + (h >> NOISE_SHIFT), mask=inb, other=0.0)
+    final = tl.where(greedy[:, None], x, scores + noise)
+    final = tl.where(inb, final, float("-inf"))
+    token = tl.argmax(final, 1, tie_break_left=True)
+    return token.to(tl.int64), bad
