@@ -20,13 +20,10 @@ import torch
 
 
 def scripted(device: torch.device, max_context: int = 160, dtype: torch.dtype = torch.float32):
-    """ScriptedTalker with its weights on `device` (it builds them on the CPU)."""
+    """ScriptedTalker with its weights on `device`."""
     from ..testing import ScriptedTalker
 
-    model = ScriptedTalker(dtype=dtype, max_context=max_context)
-    for name in ("token_table", "code_tables", "text_table", "head", "mtp_heads"):
-        setattr(model, name, getattr(model, name).to(device))
-    return model
+    return ScriptedTalker(dtype=dtype, max_context=max_context, device=device)
 
 
 def qwen(device: torch.device):

@@ -39,6 +39,7 @@ class ScriptedTalker(TalkerModel):
         max_context: int = 96,
         dtype: torch.dtype = torch.float64,
         seed: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         eos = codebook_size + 2 if num_codebooks > 1 else codebook_size
         self.spec = ModelSpec(
@@ -50,7 +51,8 @@ class ScriptedTalker(TalkerModel):
         h, v, q = hidden_size, codebook_size, num_codebooks
 
         def rand(*shape):
-            return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+            # Drawn on the CPU so every device starts from the same weights.
+            return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
         self.token_table = rand(PROMPT_VOCAB, h)
         self.code_tables = rand(q, v, h) * 0.5
@@ -61,7 +63,7 @@ class ScriptedTalker(TalkerModel):
         self.columns: dict[str, torch.Tensor] = {}
 
     def prepare(self, inputs: ScriptInputs) -> PreparedPrompt:
-        ids = torch.tensor([t % PROMPT_VOCAB for t in inputs.prompt], dtype=torch.long)
+        ids = torch.tensor([t % PROMPT_VOCAB for t in inputs.prompt], dtype=torch.long, device=self.token_table.device)
         never = -1
 
         def at(x):
