@@ -190,7 +190,7 @@ def markdown_report(results: dict) -> str:
     whatif = results.get("whatif_sampler")
     if whatif:
         out += ["", "## What-if: a leaner batched sampler, bit-identical (one step: CB0 + 15 MTP codebooks)", "",
-                "`topk(k_max)` instead of a full sort + float64 softmax/cumsum when no row uses top-p, the "
+                "`topk(k_max)` instead of a full sort + fixed-point top-p mass when no row uses top-p, the "
                 "codebook-independent part of the row key computed once per step, the codebook folded in as a "
                 "Python int (`mtp_fsm.bench.whatif.lean_sample`); then also the Gumbel noise of all 15 MTP "
                 "codebooks drawn in one pass before the depth loop (`mtp_noise`, it never depends on earlier "

@@ -35,8 +35,8 @@ def lean_sample(
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_tokens` for batches where every row has top_p = 1 and 1 <= top_k <= k_max
-    (host-known from the admitted requests): `topk(k_max)` instead of a full sort plus a
-    float64 softmax/cumsum, the per-step key prefix reused, the codebook folded in as a
+    (host-known from the admitted requests): `topk(k_max)` instead of a full sort plus the
+    fixed-point top-p mass, the per-step key prefix reused, the codebook folded in as a
     Python int (no tensor made from host data). Same tokens, bit for bit."""
     logits = logits.float()
     bad = ~torch.isfinite(logits).all(dim=-1)

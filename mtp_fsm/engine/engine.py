@@ -8,7 +8,8 @@ import torch
 from ..errors import EngineInvariantError
 from ..kernels import select_backend
 from ..kernels.reference import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX
-from ..lifecycle import FinishReason, Oracle, State, compile_table, lifecycle_for
+from ..kernels.contract import StagedEvents
+from ..lifecycle import FinishReason, Oracle, Trigger, compile_table, lifecycle_for
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel
 from ..slots import SlotTable
@@ -155,11 +156,18 @@ class LockstepEngine:
 
     def _fail_step(self, host: HostStep, exc: Exception) -> StepOutput:
         detail = f"model raised during step {self.step_count}: {exc!r}"
-        slots, ended = self.ledger.fail_rows(host, detail)
+        slots, before, ended = self.ledger.fail_rows(host, detail)
         if slots:
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-            self.table.state[index] = int(State.ABORTED)
-            self.table.finish_reason[index] = int(FinishReason.ERROR)
+            # Roll the rows back to their state at the step boundary (the host mirror),
+            # then abort them through the transition table like any other abort.
+            self.table.state[index] = torch.tensor(before, dtype=self.table.state.dtype, device=self.device)
+            events = StagedEvents(
+                index,
+                torch.tensor([[int(Trigger.ABORT), -1]] * len(slots), dtype=torch.int64, device=self.device),
+                torch.full((len(slots),), int(FinishReason.ERROR), dtype=torch.int32, device=self.device),
+            )
+            self.kernels.apply_host_events(self.table, self._trans, events)
         self.step_count += 1
         rows = len(host.row_ids)
         return StepOutput(

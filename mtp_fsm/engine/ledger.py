@@ -16,6 +16,7 @@ from ..errors import (
 from ..kernels.contract import StagedAdmits, StagedEvents, StepBatch
 from ..lifecycle import LIVE_STATES, TERMINAL_STATES, FinishReason, Oracle, State, Trigger
 from ..model_api import TalkerModel
+from ..sampling.topp import MAX_VOCAB_FIXED
 from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, Span, StepPlan
 from ..kernels.reference import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID
@@ -101,6 +102,15 @@ class Ledger:
             problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
         problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
         problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]
+        sampled = [("cb0", req.cb0_sampling, self.spec.backbone_vocab_size)]
+        if self.spec.has_mtp:
+            sampled.append(("mtp", req.mtp_sampling, self.spec.codebook_size))
+        for name, params, vocab in sampled:
+            if isinstance(params.top_p, (int, float)) and params.top_p < 1.0 and vocab > MAX_VOCAB_FIXED:
+                problems.append(
+                    f"{name} sampling: top_p < 1 needs a vocabulary of at most {MAX_VOCAB_FIXED} ids "
+                    f"(the fixed-point top-p mass), the model's is {vocab}"
+                )
         return problems
 
     def _validate(self, plan: StepPlan) -> dict[str, object]:
@@ -323,24 +333,26 @@ class Ledger:
         return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
 
 
-    def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[FinishedRequest]]:
+    def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
         """A step whose model raised: its scheduled live requests end with reason error.
 
-        Returns their slots (for the device write) and their finish records. Requests
-        that were already terminal (overrun rows) are left as they were.
+        Returns their slots, their states before the step (the device rolls back to them,
+        then aborts through the table) and their finish records. Requests that were
+        already terminal (overrun rows) are left as they were.
         """
-        slots, ended = [], []
+        slots, before, ended = [], [], []
         for record in host.row_records:
             if record is None or record.slot is None:
                 continue
             self.sync(record)
             if record.state in TERMINAL_STATES:
                 continue
+            before.append(int(record.state))
             self.oracle.fire(record.fsm, Trigger.ABORT)
             self.slot_state[record.slot], self.slot_reason[record.slot] = int(State.ABORTED), int(FinishReason.ERROR)
             slots.append(record.slot)
             ended.append(FinishedRequest(record.request_id, FinishReason.ERROR, record.num_frames, detail))
-        return slots, ended
+        return slots, before, ended
 
 
 def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:

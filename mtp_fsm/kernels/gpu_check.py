@@ -157,8 +157,8 @@ def try_reference_capture(device) -> None:
 
 def run_sync_check(name: str, make_model, requests, device, kernels: str, slots: int = 3, expect: bool | None = True):
     from ..engine import LockstepEngine
-    from ..kernels.topp_fixed import fixed_tables
     from ..sampling.noise import gumbel_table
+    from ..sampling.topp import fixed_tables
 
     gumbel_table(device), fixed_tables(device)  # cached tables: their one-time upload is not a step's sync
     engine = LockstepEngine(make_model(), slots, device=device, kernels=kernels)

@@ -30,18 +30,15 @@ import torch
 import triton  # ImportError when Triton is missing: the backend selector reports it
 
 from ..sampling.noise import gumbel_table
+from ..sampling.topp import fixed_tables
 from ..slots import SlotTable
 from . import triton_stages as K
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
 from .reference import (  # noqa: F401  (re-exported: the packed output layout)
     OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, TextStep,
 )
-from .topp_fixed import FX_LIMIT, fixed_tables
 from .triton_sampling import MAX_VOCAB
 
-# True selects the proposed fixed-point top-p rule (kernels/topp_fixed.py); the
-# current contract (float64 softmax) is the default.
-TOPP_FIXED = False
 ADMIT_COLUMNS_PER_LAUNCH = 12
 ROW_BLOCK = 128
 
@@ -246,7 +243,7 @@ def sample_cb0(
         trans, logits, logits.stride(0), vocab, noise if allowed is None else _u8(allowed), noise, hi, lo,
         -1 if eos_token_id is None else int(eos_token_id), tokens,
         NS=_ns(trans), HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters),
-        TOPP_FIXED=TOPP_FIXED, FX_LIMIT=FX_LIMIT, BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
+        BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
     )
     return tokens
 
@@ -274,8 +271,7 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         K.sample_mtp_kernel[(triton.cdiv(n, tile),)](
             slot, n, table.num_frames, table.seed, table.mtp_temperature, table.mtp_top_k, table.mtp_top_p,
             logits, logits.stride(0), vocab, int(codebook), noise, hi, lo, tokens, _u8(bad),
-            APPLY_FILTERS=filters, TOPP_FIXED=TOPP_FIXED, FX_LIMIT=FX_LIMIT, BLOCK_R=tile, BLOCK_V=block,
-            num_warps=_warps(block),
+            APPLY_FILTERS=filters, BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
         )
         return tokens
 

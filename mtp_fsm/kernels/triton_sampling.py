@@ -8,13 +8,10 @@ A port of `mtp_fsm.sampling` (see the contract in sampling/sampler.py):
 - `logits / temperature` is the correctly rounded division (`div_rn`; Triton's `/` on
   float32 is approximate on the GPU);
 - top-k keeps scores >= the k-th largest, found by bisection on the float bits (exact);
-- top-p follows the reference's rule (float64 softmax over the top-k filtered row, the
-  sorted prefix whose mass-before < top_p), with the threshold value found by the same
-  bisection instead of a sort. The *set* of kept tokens equals the reference's
-  except when top_p lies within float64 rounding (~1e-16) of the mass before a distinct
-  score value: exp/sum/cumsum rounding is not specified bit-for-bit across libms and
-  reduction orders (torch's own CPU and CUDA softmax differ). See `topp_fixed` for a
-  rule that is exactly reproducible;
+- top-p follows the reference's fixed-point rule (`sampling.topp`): the same int64 weights
+  from the same tables, exact int64 sums, and the same integer comparison, with the
+  threshold value found by the same bisection instead of a sort, so the kept set is
+  identical to the reference's, boundaries included;
 - argmax over kept ids with ties to the lowest id; greedy rows take argmax of the raw
   (masked) logits.
 
@@ -27,10 +24,14 @@ import triton
 import triton.language as tl
 
 from ..sampling.noise import MUL_A as _MUL_A, MUL_B as _MUL_B, NOISE_BITS as _NOISE_BITS
+from ..sampling.topp import FX_LIMIT as _FX_LIMIT, FX_ONE as _FX_ONE, FX_STEP as _FX_STEP
 
 MUL_A = tl.constexpr(_MUL_A)
 MUL_B = tl.constexpr(_MUL_B)
 NOISE_SHIFT = tl.constexpr(32 - _NOISE_BITS)
+FX_STEP = tl.constexpr(_FX_STEP)
+FX_LIMIT = tl.constexpr(_FX_LIMIT)
+FX_ONE = tl.constexpr(_FX_ONE)
 MAX_VOCAB = 16384
 
 
@@ -81,10 +82,10 @@ def _value_at(keys, values, key):
 
 
 @triton.jit
-def _fixed_weights(ordered, fx_hi_ptr, fx_lo_ptr, FX_LIMIT: tl.constexpr):
+def _fixed_weights(ordered, fx_hi_ptr, fx_lo_ptr):
     """Integer weight of every score: exp(-(max - s)) in fixed point, from tables."""
     top = tl.max(ordered, 1)
-    d = (top[:, None] - ordered) * 4096.0  # exact scaling by 2**12 (topp_fixed.FX_STEP)
+    d = (top[:, None] - ordered) * (FX_STEP * 1.0)  # exact scaling by 2**12
     q = tl.minimum(d, FX_LIMIT * 1.0)
     q = tl.where(q == q, q, FX_LIMIT * 1.0).to(tl.int64)  # floor (q >= 0), NaN -> limit
     q = tl.minimum(q, FX_LIMIT)
@@ -94,16 +95,16 @@ def _fixed_weights(ordered, fx_hi_ptr, fx_lo_ptr, FX_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr,
-                TOPP_FIXED: tl.constexpr, FX_LIMIT: tl.constexpr):
+def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr):
     """Boolean [R, BLOCK_V]: ids kept by top-k then top-p, equal to the reference's
     sort-based rule without sorting (the interpreter's tl.sort is unusably slow):
 
     - kth = the k-th largest score: the largest key t with count(key >= t) >= k;
-    - the reference keeps the sorted prefix whose mass-before < top_p and thresholds at
-      its last value v*; v* is the largest value whose inclusive mass (scores >= v) is
-      >= top_p, or the smallest finite score when no value reaches top_p (every position
-      kept), or the largest score when the mass is NaN (no position kept, count -> 1);
+    - the reference keeps the sorted prefix whose integer mass-before * 2**24 < need =
+      floor(top_p * 2**24) * total and thresholds at its last value v*; v* is the largest
+      value whose inclusive mass (scores >= v, times 2**24) is >= need, capped at the top
+      score (need == 0 keeps no position, count -> 1), or the smallest finite score when
+      top_p >= 1;
     - keep scores >= max(v*, kth).
     (A 0-d bool is never combined with a block: the interpreter mis-broadcasts it.)"""
     # k = V (top_k 0) keeps everything: kth is the smallest score. The searches below run
@@ -121,23 +122,13 @@ def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr,
     if tl.min(top_p, 0) < 1.0:
         keys = _order_key(kept)
         top = tl.max(kept, 1)
-        if TOPP_FIXED:
-            w = tl.where(finite, _fixed_weights(kept, fx_hi_ptr, fx_lo_ptr, FX_LIMIT), 0)
-            total = tl.sum(w, 1)
-            need = tl.floor(top_p * 16777216.0).to(tl.int64) * total
-            # Always reached (floor(top_p * 2**24) <= 2**24). need == 0 (top_p < 2**-24 or
-            # total 0) holds above the top score too: the reference keeps count 1 -> the top.
-            v_key = tl.minimum(_largest_key(keys, w * 16777216, need, inb), _order_key(top))
-            found = _value_at(keys, kept, v_key)
-        else:
-            o64 = kept.to(tl.float64)
-            e = tl.exp(o64 - tl.max(o64, 1)[:, None])
-            probs = e / tl.sum(e, 1)[:, None]
-            total = tl.sum(probs, 1)
-            need = top_p.to(tl.float64)
-            v_key = _largest_key(keys, probs, need, inb)
-            reached = total >= need
-            found = tl.where(reached, _value_at(keys, kept, v_key), tl.where(total == total, lowest, top))
+        w = tl.where(finite, _fixed_weights(kept, fx_hi_ptr, fx_lo_ptr), 0)
+        total = tl.sum(w, 1)
+        need = tl.floor(top_p * (FX_ONE * 1.0)).to(tl.int64) * total
+        # Always reached (floor(top_p * 2**24) <= 2**24). need == 0 (top_p < 2**-24 or
+        # total 0) holds above the top score too: the reference keeps count 1 -> the top.
+        v_key = tl.minimum(_largest_key(keys, w * FX_ONE, need, inb), _order_key(top))
+        found = _value_at(keys, kept, v_key)
         vstar = tl.where(top_p >= 1.0, lowest, found)
     return scores >= tl.maximum(vstar, kth)[:, None]
 
@@ -145,7 +136,7 @@ def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr,
 @triton.jit
 def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, top_p, key, allowed_ptr, gumbel_ptr,
                 fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
-                TOPP_FIXED: tl.constexpr, FX_LIMIT: tl.constexpr, BLOCK_V: tl.constexpr):
+                BLOCK_V: tl.constexpr):
     """A tile of rows of `sampling.sample_tokens`: (tokens int64 [R], bad [R])."""
     offs = tl.arange(0, BLOCK_V)
     inb = rmask[:, None] & (offs < V)[None, :]
@@ -161,7 +152,7 @@ def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, to
     greedy = temperature <= 0
     scores = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature).to(tl.float32)[:, None])
     if APPLY_FILTERS:
-        keep = filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr, TOPP_FIXED, FX_LIMIT)
+        keep = filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr)
         scores = tl.where(keep, scores, float("-inf"))
     h = mix32(key[:, None] ^ offs.to(tl.int64)[None, :])
     noise = tl.load(gumbel_ptr + (h >> NOISE_SHIFT), mask=inb, other=0.0)

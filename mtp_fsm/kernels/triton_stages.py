@@ -173,8 +173,7 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
                       frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp_ptr, trans_ptr,
                       logits_ptr, logits_stride, V, allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, eos_id, tokens_ptr,
                       NS: tl.constexpr, HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
-                      TOPP_FIXED: tl.constexpr, FX_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """A tile of rows: counters, CB0 sampling with the EOS guard, state update."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
@@ -191,7 +190,7 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
     token, bad = sample_rows(
         logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
-        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED, APPLY_FILTERS, TOPP_FIXED, FX_LIMIT, BLOCK_V)
+        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED, APPLY_FILTERS, BLOCK_V)
     tl.store(tokens_ptr + row, token, mask=rm)
     ok = kept & ~bad
     new, ill_prefill = fire(trans_ptr, NS, T_PREFILL, state, live & ~kept)
@@ -218,8 +217,7 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
 @triton.jit(do_not_specialize=['B', 'codebook'])
 def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp_ptr,
                       logits_ptr, logits_stride, V, codebook, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, tokens_ptr, bad_ptr,
-                      APPLY_FILTERS: tl.constexpr, TOPP_FIXED: tl.constexpr, FX_LIMIT: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+                      APPLY_FILTERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """A tile of rows: MTP codebook `codebook` with each row's MTP parameters."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
@@ -229,7 +227,7 @@ def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp
     token, bad = sample_rows(
         logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
-        gumbel_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, False, APPLY_FILTERS, TOPP_FIXED, FX_LIMIT, BLOCK_V)
+        gumbel_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, False, APPLY_FILTERS, BLOCK_V)
     tl.store(tokens_ptr + row, token, mask=rm)
     tl.store(bad_ptr + row, tl.full([BLOCK_R], 1, tl.uint8), mask=rm & bad)
 

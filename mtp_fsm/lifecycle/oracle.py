@@ -44,9 +44,11 @@ class Oracle:
     def fire(self, fsm: RequestFSM, trigger: Trigger) -> State:
         source = fsm.code
         event = self.machine.events.get(trigger.label)
+        # A state outside this variant (e.g. `sampled` without MTP) is as illegal as a
+        # missing edge; transitions would raise a bare ValueError for it.
+        if event is None or fsm.state not in event.transitions:
+            raise LifecycleError(fsm.request_id, source, trigger)
         try:
-            if event is None:
-                raise MachineError(f"trigger {trigger.label!r} is not part of lifecycle {self.spec.name!r}")
             event.trigger(fsm)
         except MachineError:
             raise LifecycleError(fsm.request_id, source, trigger) from None

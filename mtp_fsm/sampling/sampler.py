@@ -1,10 +1,11 @@
 """Batched token sampling: temperature, top-k, top-p, greedy, Gumbel-max on counter noise.
 
-Contract (the Triton kernel implements the same): scores = logits / temperature; top-k
-keeps scores >= the k-th largest; top-p then keeps the smallest prefix of the remaining
-scores (sorted descending, softmax in float64) whose mass before it is < top_p; the token
-is argmax(scores + gumbel) over kept ids, ties to the lowest id. Temperature 0 is argmax
-of the raw logits. A row with any non-finite logit is reported as bad.
+Contract (the Triton kernel implements the same, bit for bit): scores = float32 logits /
+temperature; top-k keeps scores >= the k-th largest; top-p then keeps the smallest prefix
+of the remaining scores (sorted descending) whose mass before it is < top_p, the mass being
+the exact fixed-point integer weights of `topp` (no float reduction, vocab <= 2**14); the
+token is argmax(scores + gumbel) over kept ids, ties to the lowest id. Temperature 0 is
+argmax of the raw logits. A row with any non-finite logit is reported as bad.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .noise import codebook_key, frame_key, gumbel_noise
+from .topp import FX_ONE, MAX_VOCAB_FIXED, fixed_weights
 
 NEG_INF = float("-inf")
 
@@ -19,13 +21,19 @@ NEG_INF = float("-inf")
 def filter_mask(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Boolean [B, V]: tokens kept by top-k then top-p (rows with k=0, p=1 keep all)."""
     vocab = scores.shape[-1]
+    # Checked (a host read) only past the limit, so normal vocabularies never sync here.
+    if vocab > MAX_VOCAB_FIXED and bool((top_p < 1.0).any()):
+        raise ValueError(f"top-p < 1 supports a vocabulary of up to {MAX_VOCAB_FIXED} ids, got {vocab}")
+    scores = scores.float()
     ordered, _ = torch.sort(scores, dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     kth = ordered.gather(-1, (k - 1)[:, None])
     ordered = torch.where(ordered >= kth, ordered, NEG_INF)
-    probs = torch.softmax(ordered.to(torch.float64), dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep_sorted = (mass_before < top_p.to(torch.float64)[:, None]) | (top_p >= 1.0)[:, None]
+    w = fixed_weights(ordered)
+    total = w.sum(-1, keepdim=True)
+    before = torch.cumsum(w, dim=-1) - w
+    p_fx = torch.floor(top_p.float() * float(FX_ONE)).to(torch.int64)[:, None]
+    keep_sorted = (before * FX_ONE < p_fx * total) | (top_p >= 1.0)[:, None]
     keep_sorted &= ordered > NEG_INF
     # The prefix is contiguous, so its last kept score is the row's threshold.
     count = keep_sorted.sum(-1).clamp(min=1)

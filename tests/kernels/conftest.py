@@ -16,8 +16,3 @@ if not torch.cuda.is_available():
 def pytest_configure(config):
     # The interpreter evaluates masked-off lanes too (e.g. -inf - -inf on padded rows).
     config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning:triton.runtime.interpreter")
-    config.addinivalue_line(
-        "markers",
-        "topp_float64: top-p parity under the current float64 contract; exact except when top_p lies "
-        "within float64 rounding of a mass boundary (see mtp_fsm/kernels/topp_fixed.py)",
-    )

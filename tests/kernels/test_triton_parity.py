@@ -336,30 +336,30 @@ def test_publish_frames(seed, dtype, model_dtype, rows, life):
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from mtp_fsm.kernels.topp_fixed import FX_LIMIT, filter_mask_fixed, fixed_tables  # noqa: E402
 from mtp_fsm.kernels.triton_sampling import filter_keep  # noqa: E402
 from mtp_fsm.sampling import filter_mask  # noqa: E402
+from mtp_fsm.sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables, fixed_weights  # noqa: E402
 
 
 @triton.jit
-def _filter_kernel(scores_ptr, B, V, topk_ptr, topp_ptr, hi_ptr, lo_ptr, out_ptr, TOPP_FIXED: tl.constexpr,
-                   FX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+def _filter_kernel(scores_ptr, B, V, topk_ptr, topp_ptr, hi_ptr, lo_ptr, out_ptr,
+                   BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < B
     offs = tl.arange(0, BLOCK_V)
     inb = rm[:, None] & (offs < V)[None, :]
     x = tl.load(scores_ptr + r[:, None] * V + offs[None, :], mask=inb, other=float("-inf"))
     keep = filter_keep(x, inb, V, tl.load(topk_ptr + r, mask=rm, other=0), tl.load(topp_ptr + r, mask=rm, other=1.0),
-                       hi_ptr, lo_ptr, TOPP_FIXED, FX)
+                       hi_ptr, lo_ptr)
     tl.store(out_ptr + r[:, None] * V + offs[None, :], keep.to(tl.int8), mask=inb)
 
 
-def triton_filter(scores, top_k, top_p, fixed=False):
+def triton_filter(scores, top_k, top_p):
     b, v = scores.shape
     out = torch.empty(b, v, dtype=torch.int8, device=scores.device)
     hi, lo = fixed_tables(scores.device)
     tile = min(64, triton.next_power_of_2(b))
-    _filter_kernel[(triton.cdiv(b, tile),)](scores, b, v, top_k, top_p, hi, lo, out, TOPP_FIXED=fixed, FX=FX_LIMIT,
+    _filter_kernel[(triton.cdiv(b, tile),)](scores, b, v, top_k, top_p, hi, lo, out,
                                            BLOCK_R=tile, BLOCK_V=triton.next_power_of_2(v))
     return out.bool()
 
@@ -376,13 +376,11 @@ def _scores(g, rows, vocab):
     return x.contiguous()
 
 
-@pytest.mark.topp_float64
 @MORE
 @given(st.integers(0, 2**31), st.sampled_from([3, 17, 64, 300]))
 def test_filter_mask_matches_reference(seed, vocab):
-    """top-k (exact by construction) and top-p under the current float64 contract: the kept
-    sets must be equal. Exact unless top_p falls within float64 rounding of a mass boundary
-    (never for these draws; see kernels/topp_fixed.py for the exactly reproducible rule)."""
+    """top-k and the fixed-point top-p (sampling.filter_mask, the contract) on random draws:
+    the kept sets must be equal."""
     g = torch.Generator().manual_seed(seed)
     rows = 48
     scores = _scores(g, rows, vocab).to(DEVICE)
@@ -398,7 +396,7 @@ def test_filter_mask_matches_reference(seed, vocab):
 @MORE
 @given(st.integers(0, 2**31), st.sampled_from([3, 17, 64, 300]))
 def test_fixed_point_top_p_is_exact_even_at_the_boundary(seed, vocab):
-    """The proposed fixed-point rule: the same integers on both sides, so top_p placed
+    """The fixed-point top-p rule: the same integers on both sides, so top_p placed
     exactly on (and one float32 ulp around) a mass boundary still gives equal sets."""
     g = torch.Generator().manual_seed(seed)
     rows = 48
@@ -408,7 +406,6 @@ def test_fixed_point_top_p_is_exact_even_at_the_boundary(seed, vocab):
     # top_p exactly at the mass before some sorted position, and one ulp either side.
     ordered = torch.sort(scores, descending=True).values
     kth = ordered.gather(1, (torch.where(top_k > 0, top_k.clamp(max=vocab), vocab) - 1)[:, None])
-    from mtp_fsm.kernels.topp_fixed import fixed_weights
     w = fixed_weights(torch.where(ordered >= kth, ordered, float("-inf")))
     before = (w.cumsum(1) - w).double() / w.sum(1, keepdim=True).double()
     at = before.gather(1, _ints(g, 0, vocab, rows)[:, None])[:, 0].float().nan_to_num(1.0).clamp(1e-6, 1.0)
@@ -416,9 +413,26 @@ def test_fixed_point_top_p_is_exact_even_at_the_boundary(seed, vocab):
     top_p = torch.where(nudge == 0, at, torch.nextafter(at, at + nudge)).clamp(1e-6, 1.0)
     top_p[torch.rand(rows, generator=g) < 0.1] = 1e-8  # floor(top_p * 2**24) == 0: keep the top only
     scores[int(_ints(g, 0, rows, 1))] = float("-inf")  # nothing finite
-    want = filter_mask_fixed(scores, top_k, top_p)
-    got = triton_filter(scores.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), fixed=True)
+    want = filter_mask(scores, top_k, top_p)
+    got = triton_filter(scores.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE))
     assert torch.equal(want.to(DEVICE), got)
+
+
+def test_fixed_point_top_p_exact_boundary_is_exclusive_on_both_sides():
+    """A row where the mass before the second score is exactly half (integer equality):
+    top_p = 0.5 keeps the top only, one float32 ulp above keeps two, on both backends."""
+    hi, lo = fixed_tables("cpu")
+    q = torch.arange(FX_LIMIT + 1)
+    w = ((hi[q >> 6] * lo[q & 63]) >> 24).tolist()
+    at = {x: i for i, x in enumerate(w)}  # weights 2**24, w1, 2**24 - w1 at d = 0, q1 / 4096, q2 / 4096
+    q1, q2 = next((i, at[FX_ONE - x]) for i, x in enumerate(w) if 0 < i < at.get(FX_ONE - x, 0) < FX_LIMIT)
+    row = torch.tensor([[0.0, -q1 / FX_STEP, -q2 / FX_STEP]] * 3)
+    half = torch.tensor(0.5)
+    top_p = torch.stack([half, torch.nextafter(half, torch.tensor(1.0)), torch.nextafter(half, torch.tensor(0.0))])
+    top_k = torch.zeros(3, dtype=torch.int64)
+    want = torch.tensor([[True, False, False], [True, True, False], [True, False, False]])
+    assert torch.equal(filter_mask(row, top_k, top_p), want)
+    assert torch.equal(triton_filter(row.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE)).cpu(), want)
 
 
 # -- the whole engine --------------------------------------------------------------------

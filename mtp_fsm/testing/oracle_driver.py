@@ -1,0 +1,436 @@
+"""Drive the lifecycle oracle from StepPlans: the expected world a test holds the engine to.
+
+`OracleDriver` keeps, per request, a `RequestFSM` in its own `Oracle` plus the host facts
+(prompt length, positions computed, frames published, predicted slot) and, for each
+StepPlan, fires the triggers the plan implies row by row: prefill for a non-final chunk;
+sample -> (mtp ->) publish [-> finish_length] for a kept row; sample -> eos; abort for a
+non-finite row; overrun for a terminal row. What a kept row yields (a frame, an EOS, an
+error) comes from the same request run ALONE (`ReferenceRuns`, cached per definition), so
+comparing the engine's outputs with the driver's expectations checks states, publication
+rules and request isolation at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import attrs
+import torch
+
+from ..engine import LockstepEngine, NewRequest, Span, StepOutput, StepPlan
+from ..lifecycle import LIVE_STATES, RESTING_STATES, TERMINAL_STATES, FinishReason, Oracle, RequestFSM, State, Trigger
+from ..lifecycle.spec import LifecycleSpec
+from ..model_api import ModelSpec, TalkerModel
+from ..sampling import SamplingParams
+from .scripted import ScriptedTalker, ScriptInputs
+
+ModelFactory = Callable[[], TalkerModel]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = 1) -> Iterator[None]:
+    """Run tiny-tensor tests on n intra-op threads (restored after): on a small shared
+    machine, thread hand-offs for 16-wide tensors cost far more than the arithmetic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def scripted_mtp() -> ScriptedTalker:
+    """The default model: a 4-codebook scripted talker with an MTP stage, float64."""
+    return ScriptedTalker(dtype=torch.float64)
+
+
+def scripted_single() -> ScriptedTalker:
+    """A single-codebook scripted talker (no MTP stage), float64."""
+    return ScriptedTalker(num_codebooks=1, dtype=torch.float64)
+
+
+@attrs.frozen
+class RequestDef:
+    """Everything that determines a request's output (hashable: the reference cache key)."""
+
+    inputs: Any
+    max_frames: int
+    seed: int = 0
+    cb0: SamplingParams = SamplingParams()
+    mtp: SamplingParams = SamplingParams()
+
+    def new_request(self, request_id: str, **overrides) -> NewRequest:
+        fields = dict(inputs=self.inputs, max_frames=self.max_frames, seed=self.seed,
+                      cb0_sampling=self.cb0, mtp_sampling=self.mtp)
+        return NewRequest(request_id, **{**fields, **overrides})
+
+    @staticmethod
+    def of(req: NewRequest) -> "RequestDef":
+        return RequestDef(req.inputs, req.max_frames, req.seed, req.cb0_sampling, req.mtp_sampling)
+
+
+@attrs.frozen
+class AloneRun:
+    """A request run alone (max_slots=1, full prefill then decode): the ground truth."""
+
+    frames: tuple[tuple[int, ...], ...]
+    reason: FinishReason
+    error_kind: str | None  # "cb0" (non-finite backbone logits) or "mtp" when reason is ERROR
+
+
+def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwargs) -> AloneRun:
+    model = model_factory()
+    bad = {"cb0": False, "mtp": False}
+    cb0_logits, mtp = model.cb0_logits, getattr(model, "mtp", None)
+
+    def probe_cb0(hidden):  # which stage saw the non-finite row (one row: no ambiguity)
+        logits = cb0_logits(hidden)
+        bad["cb0"] = not bool(torch.isfinite(logits).all())
+        return logits
+
+    def probe_mtp(hidden, cb0, sample):
+        bad["mtp"] = False
+
+        def probed(logits, codebook):
+            bad["mtp"] |= not bool(torch.isfinite(logits).all())
+            return sample(logits, codebook)
+
+        return mtp(hidden, cb0, probed)
+
+    model.cb0_logits = probe_cb0
+    if model.spec.has_mtp:
+        model.mtp = probe_mtp
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_slots"}
+    engine = LockstepEngine(model, 1, **engine_kwargs)
+    prompt_len = int(model.prepare(definition.inputs).prompt_embeds.shape[0])
+    out = engine.step(StepPlan(new_requests=(definition.new_request("alone"),), rows=(Span("alone", prompt_len),)))
+    frames: list[tuple[int, ...]] = []
+    for _ in range(model.spec.max_context + 2):
+        for frame in out.frames:
+            assert frame.index == len(frames), f"alone run published frame {frame.index}, expected {len(frames)}"
+            frames.append(tuple(int(c) for c in frame.codes))
+        if out.finished:
+            (done,) = out.finished
+            kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
+            run = AloneRun(tuple(frames), done.reason, kind)
+            if isinstance(definition.inputs, ScriptInputs):
+                _check_script(definition.inputs, run, model.spec.has_mtp)
+            return run
+        out = engine.step(StepPlan(rows=(Span("alone", 1),)))
+    raise AssertionError(f"alone run of {definition} never finished")
+
+
+def _check_script(inputs: ScriptInputs, run: AloneRun, has_mtp: bool) -> None:
+    """The alone run is itself an engine run: hold it to the script, so an engine that
+    ignored a forced EOS or NaN everywhere would not agree with itself unnoticed."""
+
+    def forced(f: int) -> str | None:
+        if inputs.eos_at == f:
+            return "eos"  # forced EOS logits are finite even where the hidden state is NaN
+        if inputs.nan_at == f:
+            return "cb0"
+        return "mtp" if has_mtp and inputs.mtp_nan_at == f else None
+
+    n = len(run.frames)
+    early = [f for f in range(n) if forced(f)]
+    end = forced(n)
+    if run.reason is FinishReason.EOS:
+        ok = end in (None, "eos", "mtp")  # a natural EOS is sampled before the MTP stage
+    elif run.reason is FinishReason.ERROR:
+        ok = end == run.error_kind
+    else:
+        ok = True
+    assert not early and ok, f"alone run of {inputs} ended {run.reason.label}/{run.error_kind} after {n} frames"
+
+
+class ReferenceRuns:
+    """Alone runs computed lazily and cached per request definition."""
+
+    def __init__(self, model_factory: ModelFactory, **engine_kwargs) -> None:
+        self.model_factory, self.engine_kwargs = model_factory, engine_kwargs
+        self._runs: dict[RequestDef, AloneRun] = {}
+        self._prompt_lens: dict[Any, int] = {}
+        self._model: TalkerModel | None = None
+
+    def get(self, definition: RequestDef) -> AloneRun:
+        run = self._runs.get(definition)
+        if run is None:
+            run = self._runs[definition] = run_alone(self.model_factory, definition, **self.engine_kwargs)
+        return run
+
+    def prompt_len(self, inputs: Any) -> int:
+        n = self._prompt_lens.get(inputs)
+        if n is None:
+            self._model = self._model or self.model_factory()
+            n = self._prompt_lens[inputs] = int(self._model.prepare(inputs).prompt_embeds.shape[0])
+        return n
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+
+_CACHES: dict[tuple, ReferenceRuns] = {}
+
+
+def reference_runs(model_factory: ModelFactory, **engine_kwargs) -> ReferenceRuns:
+    """The shared cache for this (model factory, engine kwargs): alone runs survive examples."""
+    kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_slots"}
+    key = (model_factory, tuple(sorted(kwargs.items())))
+    if key not in _CACHES:
+        _CACHES[key] = ReferenceRuns(model_factory, **kwargs)
+    return _CACHES[key]
+
+
+@attrs.define(eq=False)
+class Tracked:
+    """One request as the oracle sees it."""
+
+    rid: str
+    definition: RequestDef
+    fsm: RequestFSM
+    prompt_len: int  # the request's own prompt
+    prompt_total: int  # positions to prefill (prompt + replayed frames after a resume)
+    slot: int | None
+    computed: int = 0
+    frames: int = 0
+    reason: FinishReason = FinishReason.NONE
+
+    @property
+    def state(self) -> State:
+        return self.fsm.code
+
+
+@attrs.define
+class Expected:
+    """What the engine must report for one step."""
+
+    frames: list[tuple[str, int, tuple[int, ...]]] = attrs.field(factory=list)
+    valid: list[bool] = attrs.field(factory=list)
+    finished: Counter = attrs.field(factory=Counter)
+    row_triggers: list[tuple[str | None, tuple[Trigger, ...]]] = attrs.field(factory=list)
+    num_tokens: int = 0
+
+
+class OracleDriver:
+    """The expected world: per-request oracle FSMs, host counters and the slot allocator."""
+
+    def __init__(self, spec: ModelSpec, max_slots: int, refs: ReferenceRuns, lifecycle: LifecycleSpec) -> None:
+        self.spec, self.max_slots, self.refs = spec, max_slots, refs
+        self.oracle = Oracle(lifecycle)
+        self.requests: dict[str, Tracked] = {}
+        self._free = list(range(max_slots))  # lowest free slot first, like the engine must
+        self.steps = 0
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def schedulable(self, plan: StepPlan) -> list[tuple[str, int | None]]:
+        """Rows that may follow `plan`'s host events: (rid, prompt tokens left; 0 = decode,
+        None = terminal, schedulable only as an overrun)."""
+        gone = set(plan.aborts) | set(plan.preempts) | set(plan.releases)
+        out: list[tuple[str, int | None]] = []
+        for r in self.requests.values():
+            if r.rid in plan.resumes:
+                out.append((r.rid, r.prompt_len + r.frames))
+            elif r.rid in gone or r.slot is None:
+                continue
+            elif r.state in TERMINAL_STATES:
+                out.append((r.rid, None))
+            else:
+                out.append((r.rid, max(r.prompt_total - r.computed, 0)))
+        out += [(q.request_id, self.refs.prompt_len(q.inputs)) for q in plan.new_requests]
+        return out
+
+    # -- the plan -----------------------------------------------------------------------
+
+    def apply(self, plan: StepPlan) -> Expected:
+        """Fire every trigger the (valid) plan implies; return what the engine must report."""
+        exp, fire = Expected(), self.oracle.fire
+        for rid in plan.releases:
+            r = self.requests.pop(rid)
+            fire(r.fsm, Trigger.RELEASE)
+            self._release(r)
+        for rid in plan.aborts:
+            r = self.requests.pop(rid)
+            fire(r.fsm, Trigger.ABORT)
+            if r.slot is not None:
+                fire(r.fsm, Trigger.RELEASE)
+                self._release(r)
+            exp.finished[(rid, FinishReason.ABORT, r.frames)] += 1
+        for rid in plan.preempts:
+            r = self.requests[rid]
+            fire(r.fsm, Trigger.PREEMPT)
+            # The slot row (not the request) is released: PREEMPTED -> FREE on the device.
+            fire(RequestFSM(rid + "#row", State.PREEMPTED), Trigger.RELEASE)
+            self._release(r)
+        admitted = []
+        for rid in plan.resumes:
+            r = self.requests[rid]
+            fire(r.fsm, Trigger.RESUME)
+            r.prompt_total, r.computed = r.prompt_len + r.frames, 0
+            admitted.append(r)
+        for q in plan.new_requests:
+            n = self.refs.prompt_len(q.inputs)
+            r = Tracked(q.request_id, RequestDef.of(q), self.oracle.new(q.request_id), n, n, None)
+            fire(r.fsm, Trigger.ADMIT)
+            self.requests[r.rid] = r
+            admitted.append(r)
+        for r in admitted:
+            r.slot = heapq.heappop(self._free)
+        for span in plan.rows:
+            self._row(span, exp)
+        self.steps += 1
+        return exp
+
+    def _release(self, r: Tracked) -> None:
+        heapq.heappush(self._free, r.slot)
+        r.slot = None
+
+    def _row(self, span: Span | None, exp: Expected) -> None:
+        if span is None:
+            exp.valid.append(False)
+            exp.row_triggers.append((None, ()))
+            return
+        exp.num_tokens += span.num_tokens
+        r = self.requests[span.request_id]
+        fired: list[Trigger] = []
+
+        def fire(*triggers: Trigger) -> None:
+            for t in triggers:
+                self.oracle.fire(r.fsm, t)
+                fired.append(t)
+
+        published = False
+        if r.state in TERMINAL_STATES:
+            fire(Trigger.OVERRUN)
+        elif r.computed + span.num_tokens < r.prompt_total:
+            r.computed += span.num_tokens
+            fire(Trigger.PREFILL)
+        else:
+            r.computed += span.num_tokens
+            published = self._kept(r, fire, exp)
+        exp.valid.append(published)
+        exp.row_triggers.append((r.rid, tuple(fired)))
+
+    def _kept(self, r: Tracked, fire, exp: Expected) -> bool:
+        """A final prefill chunk or a decode row: what the alone run did at this frame index."""
+        f, run = r.frames, self.refs.get(r.definition)
+        if f < len(run.frames):
+            fire(Trigger.SAMPLE, *((Trigger.MTP,) if self.spec.has_mtp else ()), Trigger.PUBLISH)
+            exp.frames.append((r.rid, f, run.frames[f]))
+            r.frames += 1
+            if r.frames >= r.definition.max_frames or r.computed >= self.spec.max_context:
+                fire(Trigger.FINISH_LENGTH)
+                self._end(r, FinishReason.LENGTH, exp)
+            return True
+        if f > len(run.frames) or run.reason in (FinishReason.LENGTH, FinishReason.NONE):
+            raise AssertionError(
+                f"oracle: request {r.rid!r} samples frame {f} but its alone run ended after "
+                f"{len(run.frames)} frames with reason {run.reason.label}"
+            )
+        if run.reason is FinishReason.EOS:
+            fire(Trigger.SAMPLE, Trigger.EOS)
+        elif run.error_kind == "cb0":
+            fire(Trigger.ABORT)  # non-finite backbone logits: the sample is never kept
+        else:
+            fire(Trigger.SAMPLE, Trigger.ABORT)  # non-finite MTP logits: noticed after the sample
+        self._end(r, run.reason, exp)
+        return False
+
+    def _end(self, r: Tracked, reason: FinishReason, exp: Expected) -> None:
+        r.reason = reason
+        exp.finished[(r.rid, reason, r.frames)] += 1
+
+    # -- checks -------------------------------------------------------------------------
+
+    def check_output(self, out: StepOutput, exp: Expected, plan: StepPlan) -> None:
+        """The step's frames, row validity, row codes and ended requests equal the oracle's."""
+        got = [(f.request_id, f.index, tuple(int(c) for c in f.codes)) for f in out.frames]
+        if got != exp.frames:
+            raise AssertionError(self._explain_frames(got, exp, plan))
+        valid = [bool(v) for v in out.rows.valid]
+        if valid != exp.valid:
+            raise AssertionError(f"step {self.steps - 1}: row validity {valid} != oracle {exp.valid}; rows {exp.row_triggers}")
+        codes = out.rows.codes
+        for i, ok in enumerate(exp.valid):
+            if not ok and bool(codes[i].any()):
+                raise AssertionError(f"step {self.steps - 1}: row {i} {exp.row_triggers[i]} carries codes "
+                                     f"{codes[i].tolist()} but publishes nothing (stale data leaks)")
+        ended = Counter((f.request_id, f.reason, f.num_frames) for f in out.finished)
+        if ended != exp.finished:
+            raise AssertionError(f"step {self.steps - 1}: ended requests {sorted(ended)} != oracle {sorted(exp.finished)}")
+        if out.num_tokens != exp.num_tokens:
+            raise AssertionError(f"step {self.steps - 1}: num_tokens {out.num_tokens} != {exp.num_tokens}")
+
+    def _explain_frames(self, got, exp: Expected, plan: StepPlan) -> str:
+        lines = [f"step {self.steps - 1}: published frames differ from the oracle (alone runs)"]
+        want = {(rid, i): c for rid, i, c in exp.frames}
+        have = {(rid, i): c for rid, i, c in got}
+        triggers = {rid: t for rid, t in exp.row_triggers if rid is not None}
+        for key in sorted(set(want) | set(have), key=str):
+            rid, index = key
+            if key not in want and rid is None:
+                lines.append(f"  a padding row published frame {index} {have[key]}: padding rows are inert")
+            elif key not in want:
+                why = ", ".join(t.label for t in triggers.get(rid, ())) or "not scheduled"
+                lines.append(f"  {rid!r} frame {index} {have[key]} published but the oracle fired [{why}]: "
+                             "no frame from a non-final prefill chunk, an EOS sample, a terminal row or another request")
+            elif key not in have:
+                lines.append(f"  {rid!r} frame {index} {want[key]} missing")
+            elif want[key] != have[key]:
+                lines.append(f"  {rid!r} frame {index}: engine {have[key]} != alone run {want[key]} "
+                             "(request isolation / determinism broken)")
+        if [(r, i) for r, i, _ in got] != [(r, i) for r, i, _ in exp.frames]:
+            lines.append(f"  order/indices: engine {[(r, i) for r, i, _ in got]} oracle {[(r, i) for r, i, _ in exp.frames]}")
+        lines.append(f"  rows: {[None if s is None else (s.request_id, s.num_tokens) for s in plan.rows]}")
+        return "\n".join(lines)
+
+    def check_engine(self, engine: LockstepEngine) -> None:
+        """Slot ownership, no leaks, device states = oracle states, no sticky error bits."""
+        table, ledger = engine.table, engine.ledger
+        n = table.max_slots
+        state = table.state[:n].tolist()
+        errors = table.error[:n].tolist()
+        if any(errors):
+            raise AssertionError(f"sticky error column set: {errors}")
+        if set(engine.requests()) != set(self.requests):
+            raise AssertionError(f"engine knows {sorted(engine.requests())}, oracle {sorted(self.requests)}")
+        owned: dict[int, str] = {}
+        for r in self.requests.values():
+            record = ledger.records[r.rid]
+            if record.slot != r.slot:
+                raise AssertionError(f"{r.rid!r} holds slot {record.slot}, deterministic allocation says {r.slot}")
+            if engine.request_state(r.rid) is not r.state:
+                raise AssertionError(f"{r.rid!r}: host mirror {engine.request_state(r.rid).label} != oracle {r.state.label}")
+            if r.slot is None:
+                continue
+            if r.slot in owned:
+                raise AssertionError(f"slot {r.slot} owned by {owned[r.slot]!r} and {r.rid!r}")
+            owned[r.slot] = r.rid
+            if state[r.slot] != r.state:
+                raise AssertionError(f"{r.rid!r} slot {r.slot}: device state {State(state[r.slot]).label} "
+                                     f"!= oracle {r.state.label}")
+            row_frames, row_reason = int(table.num_frames[r.slot]), int(table.finish_reason[r.slot])
+            if row_frames != r.frames or row_reason != r.reason:
+                raise AssertionError(f"{r.rid!r} slot {r.slot}: device frames/reason {row_frames}/"
+                                     f"{FinishReason(row_reason).label} != oracle {r.frames}/{r.reason.label}")
+            if int(table.serial[r.slot]) != record.serial or record.serial == 0:
+                raise AssertionError(f"{r.rid!r} slot {r.slot}: serial {int(table.serial[r.slot])} != {record.serial}")
+        in_use = set(ledger.allocator.in_use())
+        if in_use != set(owned) or ledger.allocator.num_free + len(owned) != n:
+            raise AssertionError(f"slot leak: allocator in use {sorted(in_use)} free {ledger.allocator.num_free}, "
+                                 f"owned {sorted(owned)} of {n}")
+        for slot in range(n):
+            if slot not in owned and state[slot] != State.FREE:
+                raise AssertionError(f"slot {slot} owned by nobody is in state {State(state[slot]).label}")
+            if state[slot] not in RESTING_STATES:
+                raise AssertionError(f"slot {slot} rests in within-step state {State(state[slot]).label}")
+
+    def live(self) -> list[Tracked]:
+        return [r for r in self.requests.values() if r.slot is not None and r.state in LIVE_STATES]

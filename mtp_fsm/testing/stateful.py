@@ -1,0 +1,364 @@
+"""A Hypothesis rule-based state machine that drives a LockstepEngine against the oracle.
+
+Rules stage host events (admit, abort, preempt, resume, release) and run steps with a
+random subset of the requests (random prefill chunks, random row order, padding rows,
+finished-but-unreleased rows as async overruns), or send plans that must be rejected
+whole. After every rule the engine must agree with an `OracleDriver`: device states equal
+the per-request oracle's, slots are owned exactly once and never leak, the sticky error
+column is clear, and every published frame equals the frame the same request produces
+when run alone (so mixing between requests, or any dependence on row order, slot,
+padding or batch composition, fails).
+
+    run_state_machine_as_test(lambda: LifecycleMachine(scripted_single), settings=...)
+    TestMTP = lifecycle_test_case(scripted_mtp, max_slots=3)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ..engine import LockstepEngine, NewRequest, Span, StepPlan
+from ..errors import (
+    AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
+)
+from ..lifecycle import LIVE_STATES, TERMINAL_STATES, State, Trigger
+from ..model_api import ModelSpec
+from ..sampling import GREEDY, SamplingParams
+from .oracle_driver import ModelFactory, OracleDriver, RequestDef, reference_runs, scripted_mtp, scripted_single
+from .scripted import ScriptInputs
+
+SAMPLING = (
+    GREEDY, SamplingParams(), SamplingParams(0.7, 5, 0.9), SamplingParams(1.3, 0, 0.5),
+    SamplingParams(1.0, 1, 1.0), SamplingParams(0.9, 0, 1e-6), SamplingParams(0.0, 3, 0.8),
+)
+
+# Accumulated over every machine run in this process (per lifecycle variant name).
+COVERAGE: dict[str, Counter] = defaultdict(Counter)
+STATS: dict[str, Counter] = defaultdict(Counter)
+
+
+def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6) -> st.SearchStrategy[RequestDef]:
+    """Random request definitions for the ScriptedTalker: prompt, budget, seed, sampling,
+    and an optional forced EOS / NaN / MTP-NaN frame."""
+    frames = st.integers(1, max_frames)
+
+    @st.composite
+    def build(draw):
+        n = draw(st.integers(1, min(max_prompt, spec.max_context - 1)))
+        budget = draw(frames)
+
+        def at():  # a forced event at some frame, for about one request in five
+            return draw(st.integers(0, budget - 1)) if draw(st.integers(0, 4)) == 0 else None
+
+        prompt = tuple(draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)))
+        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(), mtp_nan_at=at() if spec.has_mtp else None)
+        seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
+        return RequestDef(inputs, budget, seed, draw(st.sampled_from(SAMPLING)), draw(st.sampled_from(SAMPLING)))
+
+    return build()
+
+
+@attrs.define
+class Pending:
+    """Host events staged for the next plan."""
+
+    new: list[NewRequest] = attrs.field(factory=list)
+    aborts: list[str] = attrs.field(factory=list)
+    preempts: list[str] = attrs.field(factory=list)
+    resumes: list[str] = attrs.field(factory=list)
+    releases: list[str] = attrs.field(factory=list)
+
+    def touched(self) -> set[str]:
+        return {*self.aborts, *self.preempts, *self.resumes, *self.releases, *(q.request_id for q in self.new)}
+
+    def plan(self, rows=(), **extra) -> StepPlan:
+        parts = dict(new_requests=tuple(self.new), aborts=tuple(self.aborts), preempts=tuple(self.preempts),
+                     resumes=tuple(self.resumes), releases=tuple(self.releases))
+        for key, value in extra.items():
+            parts[key] = parts[key] + tuple(value)
+        return StepPlan(rows=tuple(rows), **parts)
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """The engine under random schedules, checked against the oracle after every rule."""
+
+    def __init__(
+        self,
+        model_factory: ModelFactory = scripted_mtp,
+        *,
+        max_slots: int = 3,
+        max_requests: int = 24,
+        requests: Callable[[ModelSpec], st.SearchStrategy[RequestDef]] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        engine_kwargs.setdefault("kernels", "torch")
+        self.engine = LockstepEngine(model_factory(), max_slots, **engine_kwargs)
+        self.spec = self.engine.spec
+        self.refs = reference_runs(model_factory, **engine_kwargs)
+        self.driver = OracleDriver(self.spec, max_slots, self.refs, self.engine.lifecycle)
+        self.request_defs = (requests or scripted_requests)(self.spec)
+        self.scripted = requests is None
+        self.max_requests = max_requests
+        self.pending = Pending()
+        self.admitted = 0
+        self._steps_since_rejected = 0
+        self.stats = STATS[self.engine.lifecycle.name]
+        self._started = time.perf_counter()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _free_after_pending(self) -> int:
+        p, reqs = self.pending, self.driver.requests
+        freed = len(p.releases) + len(p.preempts) + sum(reqs[rid].slot is not None for rid in p.aborts)
+        return self.driver.num_free + freed - len(p.new) - len(p.resumes)
+
+    def _untouched(self, predicate) -> list[str]:
+        touched = self.pending.touched()
+        return sorted(r.rid for r in self.driver.requests.values() if r.rid not in touched and predicate(r))
+
+    def _run(self, plan: StepPlan) -> None:
+        out = self.engine.step(plan)
+        expected = self.driver.apply(plan)
+        self.driver.check_output(out, expected, plan)
+        self.pending = Pending()
+        self._steps_since_rejected += 1
+        self.stats["steps"] += 1
+        self.stats["frames"] += len(expected.frames)
+        self.stats["batched_steps"] += len(expected.frames) >= 2  # isolation is really at stake
+        kinds = {t[0] for _, t in expected.row_triggers if t}
+        self.stats["mixed_steps"] += {Trigger.PREFILL, Trigger.SAMPLE} <= kinds or (
+            Trigger.SAMPLE in kinds and any(r is None for r in plan.rows))
+
+    # -- host events (staged for the next plan) ------------------------------------------
+
+    @precondition(lambda self: self.admitted < self.max_requests and self._free_after_pending() > 0)
+    @rule(data=st.data())
+    def admit(self, data):
+        """Stage 1..(free slots) new requests."""
+        room = min(self._free_after_pending(), self.max_requests - self.admitted)
+        for _ in range(data.draw(st.integers(1, room), label="admissions")):
+            definition = data.draw(self.request_defs, label="request")
+            self.pending.new.append(definition.new_request(f"r{self.admitted}"))
+            self.admitted += 1
+
+    def _abortable(self):
+        return self._untouched(lambda r: r.state in LIVE_STATES or r.state is State.PREEMPTED)
+
+    def _preemptable(self):
+        return self._untouched(lambda r: r.slot is not None and r.state in LIVE_STATES)
+
+    def _resumable(self):
+        if self._free_after_pending() <= 0:
+            return []
+        return self._untouched(lambda r: r.state is State.PREEMPTED)
+
+    def _releasable(self):
+        return self._untouched(lambda r: r.slot is not None and r.state in TERMINAL_STATES)
+
+    @precondition(lambda self: self._abortable())
+    @rule(data=st.data())
+    def abort(self, data):
+        self.pending.aborts.append(data.draw(st.sampled_from(self._abortable()), label="abort"))
+
+    @precondition(lambda self: self._preemptable())
+    @rule(data=st.data())
+    def preempt(self, data):
+        self.pending.preempts.append(data.draw(st.sampled_from(self._preemptable()), label="preempt"))
+
+    @precondition(lambda self: self._preemptable())
+    @rule(data=st.data())
+    def preempt_and_resume(self, data):
+        """Preempt a request, run a step without it, then (maybe) stage its resume."""
+        rid = data.draw(st.sampled_from(self._preemptable()), label="preempt")
+        self.pending.preempts.append(rid)
+        self.step_all(data)
+        if rid in self._resumable() and data.draw(st.booleans(), label="resume now"):
+            self.pending.resumes.append(rid)
+
+    @precondition(lambda self: self._resumable())
+    @rule(data=st.data())
+    def resume(self, data):
+        self.pending.resumes.append(data.draw(st.sampled_from(self._resumable()), label="resume"))
+
+    @precondition(lambda self: self._releasable())
+    @rule(data=st.data())
+    def release(self, data):
+        self.pending.releases.append(data.draw(st.sampled_from(self._releasable()), label="release"))
+
+    # -- steps --------------------------------------------------------------------------
+
+    def _rows(self, data, candidates, full: bool) -> list[Span | None]:
+        if full:
+            order = data.draw(st.permutations(range(len(candidates))), label="row order")
+        elif candidates:
+            order = data.draw(st.lists(st.sampled_from(range(len(candidates))), unique=True), label="rows")
+        else:
+            order = []
+        rows: list[Span | None] = []
+        for i in order:
+            rid, left = candidates[i]
+            if left is None and full and not data.draw(st.booleans(), label="overrun"):
+                continue
+            if left:  # prefill: a chunk of 1..left tokens (the whole rest, mostly, when `full`)
+                n = left if full and data.draw(st.booleans(), label="whole") else data.draw(st.integers(1, left))
+            else:  # decode row, or a finished/aborted row scheduled once more (async overrun)
+                n = 1
+            rows.append(Span(rid, n))
+        for _ in range(data.draw(st.integers(0, 2), label="padding")):
+            rows.insert(data.draw(st.integers(0, len(rows)), label="pad at"), None)
+        return rows
+
+    def _busy(self) -> bool:
+        """Something staged or holding a slot (an empty engine's no-op step is a regression test)."""
+        return bool(self.pending.touched()) or any(r.slot is not None for r in self.driver.requests.values())
+
+    @precondition(_busy)
+    @rule(data=st.data())
+    def step(self, data):
+        """Host events plus a random subset of the schedulable rows, in random order."""
+        plan = self.pending.plan()
+        self._run(self.pending.plan(self._rows(data, self.driver.schedulable(plan), full=False)))
+
+    @precondition(_busy)
+    @rule(data=st.data())
+    def step_all(self, data):
+        """A scheduler-like step: every live request advances (random order, random chunks);
+        each finished/aborted request is either released now or scheduled as an overrun."""
+        for rid in self._releasable():
+            if data.draw(st.booleans(), label=f"release {rid}"):
+                self.pending.releases.append(rid)
+        plan = self.pending.plan()
+        self._run(self.pending.plan(self._rows(data, self.driver.schedulable(plan), full=True)))
+
+    @precondition(_busy)
+    @rule(padding=st.integers(0, 2))
+    def boundary(self, padding):
+        """Only the staged host events (and maybe padding rows): a step that keeps no sample."""
+        self._run(self.pending.plan([None] * padding))
+
+    @precondition(lambda self: self.driver.live())
+    @rule(data=st.data(), steps=st.integers(2, 5))
+    def burst(self, data, steps):
+        """Several scheduler-like steps in a row, so requests run to their end."""
+        for _ in range(steps):
+            if not self.driver.live() and not self.pending.touched():
+                break
+            self.step_all(data)
+            self.driver.check_engine(self.engine)
+
+    # -- plans the engine must reject whole ---------------------------------------------
+
+    def _bad_plans(self) -> dict[str, tuple]:
+        """kind -> (plan, expected error class, request id the message must name)."""
+        p, reqs, spec = self.pending, self.driver.requests, self.spec
+        fresh = f"x{self.admitted}"
+        some = RequestDef(ScriptInputs((1, 2, 3)), 2) if self.scripted else None
+        out: dict[str, tuple] = {
+            "unknown abort": (p.plan(aborts=["ghost"]), UnknownRequestError, "ghost"),
+            "unknown release": (p.plan(releases=["ghost"]), UnknownRequestError, "ghost"),
+            "unadmitted row": (p.plan([Span("ghost", 1)]), PlanError, "ghost"),
+        }
+        if some is not None:
+            out["sampling width 2"] = (p.plan(new_requests=[some.new_request(fresh, sampling_width=2)]), AdmissionError, fresh)
+            out["max_frames 0"] = (p.plan(new_requests=[some.new_request(fresh, max_frames=0)]), AdmissionError, fresh)
+            long = ScriptInputs(tuple(range(spec.max_context)))
+            out["prompt too long"] = (p.plan(new_requests=[some.new_request(fresh, inputs=long)]), AdmissionError, fresh)
+            extra = [some.new_request(f"{fresh}_{i}") for i in range(max(self._free_after_pending(), 0) + 1)]
+            out["table full"] = (p.plan(new_requests=extra), SlotTableFullError, extra[-1].request_id)
+            twice = [some.new_request(fresh), some.new_request(fresh)]
+            out["duplicate in plan"] = (p.plan(new_requests=twice), DuplicateRequestError, fresh)
+        if reqs and some is not None:
+            rid = sorted(reqs)[0]
+            out["duplicate id"] = (p.plan(new_requests=[some.new_request(rid)]), DuplicateRequestError, rid)
+        for rid in self._untouched(lambda r: r.slot is not None and r.state in LIVE_STATES)[:1]:
+            out["release live"] = (p.plan(releases=[rid]), LifecycleError, rid)
+            out["resume live"] = (p.plan(resumes=[rid]), LifecycleError, rid)
+            r = reqs[rid]
+            left = max(r.prompt_total - r.computed, 0)
+            span = Span(rid, left + 1) if left > 0 else Span(rid, 2)
+            out["span too long"] = (p.plan([span]), PlanError, rid)
+            out["row twice"] = (p.plan([Span(rid, 1), Span(rid, 1)]), PlanError, rid)
+            out["abort and schedule"] = (p.plan([Span(rid, 1)], aborts=[rid]), PlanError, rid)
+        for rid in self._untouched(lambda r: r.state in TERMINAL_STATES)[:1]:
+            out["abort terminal"] = (p.plan(aborts=[rid]), LifecycleError, rid)
+            out["preempt terminal"] = (p.plan(preempts=[rid]), LifecycleError, rid)
+        for rid in self._untouched(lambda r: r.state is State.PREEMPTED)[:1]:
+            out["preempted row"] = (p.plan([Span(rid, 1)]), PlanError, rid)
+            out["preempt twice"] = (p.plan(preempts=[rid]), LifecycleError, rid)
+        return out
+
+    def _snapshot(self):
+        ledger = self.engine.ledger
+        columns = {k: v.clone() for k, v in self.engine.table.columns().items()}
+        synced = ((rid, ledger.sync(r)) for rid, r in ledger.records.items())
+        records = {rid: (r.slot, r.serial, r.num_computed, r.num_frames, r.state) for rid, r in synced}
+        cache = getattr(self.engine.model, "cache", None)
+        free = sorted(set(range(self.engine.max_slots)) - ledger.allocator.in_use())
+        return columns, records, free, None if cache is None else cache.clone()
+
+    @precondition(lambda self: self._steps_since_rejected >= 2)  # cheap, but keep steps the bulk
+    @rule(data=st.data())
+    def rejected_plan(self, data):
+        """An invalid plan (mixed with the staged valid events) changes nothing at all."""
+        self._steps_since_rejected = 0
+        bad = self._bad_plans()
+        kind = data.draw(st.sampled_from(sorted(bad)), label="bad plan")
+        plan, error, rid = bad[kind]
+        before = self._snapshot()
+        try:
+            self.engine.step(plan)
+        except error as exc:
+            assert rid in str(exc), f"{kind}: error does not name {rid!r}: {exc}"
+        else:
+            raise AssertionError(f"{kind}: engine accepted an invalid plan {plan}")
+        after = self._snapshot()
+        cols0, cols1 = before[0], after[0]
+        changed = [k for k in cols0 if not _same(cols0[k], cols1[k])]
+        assert not changed, f"{kind}: rejected plan changed slot-table columns {changed}"
+        assert before[1:3] == after[1:3], f"{kind}: rejected plan changed the ledger or the allocator"
+        assert _same(before[3], after[3]), f"{kind}: rejected plan touched the model cache"
+        self.stats["rejected"] += 1
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def engine_matches_oracle(self):
+        self.driver.check_engine(self.engine)
+
+    def teardown(self):
+        COVERAGE[self.engine.lifecycle.name].update(self.driver.oracle.fired)
+        self.stats["examples"] += 1
+        self.stats["seconds_x1000"] += int(1000 * (time.perf_counter() - self._started))
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool(((a == b) | (a != a) & (b != b)).all())
+
+
+def lifecycle_test_case(model_factory: ModelFactory = scripted_mtp, *, settings=None, **kwargs: Any):
+    """A unittest TestCase running LifecycleMachine(model_factory, **kwargs) (pytest collects it)."""
+
+    class BoundMachine(LifecycleMachine):
+        def __init__(self) -> None:
+            super().__init__(model_factory, **kwargs)
+
+    BoundMachine.__name__ = BoundMachine.__qualname__ = f"LifecycleMachine_{getattr(model_factory, '__name__', 'model')}"
+    case = BoundMachine.TestCase
+    if settings is not None:
+        case.settings = settings
+    return case
+
+
+__all__ = [
+    "COVERAGE", "STATS", "LifecycleMachine", "Pending", "lifecycle_test_case", "scripted_requests",
+    "scripted_mtp", "scripted_single",
+]

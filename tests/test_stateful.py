@@ -1,0 +1,99 @@
+"""The lifecycle state machine (mtp_fsm.testing.stateful) against the engine, for the MTP
+talker and the single-codebook talker, plus coverage of every declared transition.
+
+Run with `-s` to see example counts, steps, frames and time per variant.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from mtp_fsm.lifecycle import compile_table, lifecycle_for
+from mtp_fsm.testing.oracle_driver import torch_threads
+from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycle_test_case, scripted_mtp, scripted_single
+
+# Tuned so the whole file runs in well under 2 minutes on 2 cores.
+CHECKS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+SETTINGS = {
+    "mtp": settings(max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+    "single_codebook": settings(max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+}
+# If a rare edge did not fire in the main run, up to this many extra runs of 60 examples.
+TOP_UPS = 3
+FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single}
+
+_RUNS: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+def _run(variant: str, run_settings) -> tuple[Counter, Counter, float]:
+    before_cov, before_stats = Counter(COVERAGE[variant]), Counter(STATS[variant])
+    start = time.perf_counter()
+    run_state_machine_as_test(lambda: LifecycleMachine(FACTORIES[variant]), settings=run_settings)
+    stats = STATS[variant] - before_stats
+    seconds = time.perf_counter() - start
+    print(f"\n[stateful {variant}] {stats['examples']} examples, {stats['steps']} steps, {stats['frames']} frames "
+          f"({stats['batched_steps']} steps publishing >= 2, {stats['mixed_steps']} mixed/padded sampling steps), "
+          f"{stats['rejected']} rejected plans, {seconds:.1f}s")
+    return COVERAGE[variant] - before_cov, stats, seconds
+
+
+def run_machine(variant: str):
+    """Run the machine once per variant per session (memoised, so test order does not matter)."""
+    if variant not in _RUNS:
+        try:
+            _RUNS[variant] = _run(variant, SETTINGS[variant])
+        except BaseException as exc:
+            _RUNS[variant] = exc
+            raise
+    result = _RUNS[variant]
+    if isinstance(result, BaseException):
+        pytest.fail(f"the {variant} state machine failed: {result!r}")
+    return result
+
+
+@pytest.mark.parametrize("variant", ["mtp", "single_codebook"])
+def test_lifecycle_machine(variant):
+    run_machine(variant)
+
+
+@pytest.mark.parametrize("variant", ["mtp", "single_codebook"])
+def test_every_declared_transition_fires(variant):
+    """Every (trigger, source) pair of the variant's compiled table fired in the oracle at
+    least once over the machine's runs (runs the machine first if it has not run yet).
+    Random runs vary; a rare edge missing after the main run gets a few short top-up runs
+    of the same machine before the test gives up."""
+    coverage, stats, _ = run_machine(variant)
+    coverage, stats = Counter(coverage), Counter(stats)
+    edges = compile_table(lifecycle_for(variant)).edges()
+
+    def missing():
+        return [f"{t.label} from {s.label}" for t, s, _ in edges if coverage[(t, s)] == 0]
+
+    for _ in range(TOP_UPS):
+        if not missing():
+            break
+        print(f"\n[stateful {variant}] top-up run for {missing()}")
+        extra_cov, extra_stats, _ = _run(variant, settings(SETTINGS[variant], max_examples=60))
+        coverage.update(extra_cov)
+        stats.update(extra_stats)
+    assert missing() == [], f"never fired in {stats['examples']} examples / {stats['steps']} steps"
+    assert set(coverage) <= {(t, s) for t, s, _ in edges}  # nothing fired outside the table
+
+
+def test_lifecycle_test_case_helper_builds_a_runnable_test_case():
+    """The TestCase helper binds the factory and engine kwargs (a short run: 3 examples)."""
+    case = lifecycle_test_case(scripted_single, max_slots=2, settings=settings(
+        max_examples=3, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)))
+    result = case("runTest").run()
+    assert result.wasSuccessful(), result.failures + result.errors
