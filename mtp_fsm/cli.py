@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="serve a batch of TTS requests with the tiny random model")
     demo.add_argument("--requests", type=int, default=16, help="number of requests (texts are cycled)")
     demo.add_argument("--max-slots", type=int, default=8, help="slot table rows (concurrent requests)")
-    demo.add_argument("--prefill-chunk", type=int, default=32, help="prompt tokens per prefill chunk")
+    demo.add_argument(
+        "--prefill-chunk", type=int, default=4,
+        help="prompt tokens per prefill chunk (the tiny prompt is 8 positions: 4 shows chunked prefill)",
+    )
     demo.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
     demo.add_argument("--seed", type=int, default=0, help="model weights seed; request i samples with seed+i")
     demo.add_argument("--max-frames", type=int, default=48, help="frame budget per request")

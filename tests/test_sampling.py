@@ -261,3 +261,14 @@ def test_logits_dtype_does_not_change_greedy(dtype):
     tokens, bad = sample_tokens(logits.to(dtype), torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
                                 torch.tensor([1, 2]), torch.tensor([0, 0]), 0)
     assert tokens.tolist() == [1, 0] and not bad.any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2**40), min_size=1, max_size=6), st.integers(0, 500), st.integers(1, 15), st.integers(2, 300))
+def test_a_frames_noise_drawn_in_one_pass_equals_per_codebook_noise(seeds, frame, count, vocab):
+    from mtp_fsm.sampling import codebook_key, frame_key, gumbel_noise_codebooks
+
+    key = frame_key(torch.tensor(seeds), torch.full((len(seeds),), frame))
+    block = gumbel_noise_codebooks(key, 1, count, vocab)
+    for c in range(1, count + 1):
+        assert torch.equal(block[c - 1], gumbel_noise(codebook_key(key, c), vocab))

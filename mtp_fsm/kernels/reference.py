@@ -13,11 +13,14 @@ from typing import Callable
 import torch
 
 from ..lifecycle import FinishReason, State, Trigger
-from ..sampling import frame_key, sample_tokens
+from ..sampling import frame_key, gumbel_noise_codebooks, sample_tokens
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
 
 TextStep = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Draw a frame's MTP noise in one pass (fewer, larger ops) up to this many elements.
+BATCHED_NOISE_ELEMENTS = 1 << 18  # measured: larger blocks fall out of cache and lose
 
 # Layout of the packed per-row output (one device-to-host copy per step).
 OUT_VALID, OUT_FRAME_INDEX, OUT_STATE, OUT_REASON, OUT_ERROR, OUT_NUM_FRAMES, OUT_CODES = range(7)
@@ -172,11 +175,21 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     temperature, top_k, top_p = table.mtp_temperature[slot], table.mtp_top_k[slot], table.mtp_top_p[slot]
     seed, frame_index = table.seed[slot], table.num_frames[slot]
     key = frame_key(seed, frame_index)  # shared by the frame's Q-1 codebooks
+    drawn: dict[int, torch.Tensor | None] = {}  # vocab -> noise of codebooks 1..Q-1
+
+    def noise_for(codebook: int, vocab: int) -> torch.Tensor | None:
+        count = table.num_codebooks - 1
+        if vocab not in drawn:  # one pass for the whole frame, unless it would be too large
+            fits = count * key.shape[0] * vocab <= BATCHED_NOISE_ELEMENTS
+            drawn[vocab] = gumbel_noise_codebooks(key, 1, count, vocab) if fits else None
+        block = drawn[vocab]
+        return block[codebook - 1] if block is not None and 1 <= codebook <= count else None
 
     def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
         tokens, row_bad = sample_tokens(
             logits, temperature, top_k, top_p, seed, frame_index, codebook, apply_filters=batch.mtp_filters,
             key=key, top_k_max=batch.mtp_top_k_max, any_top_p=batch.mtp_any_top_p,
+            noise=noise_for(codebook, logits.shape[-1]),
         )
         bad.logical_or_(row_bad)
         return tokens

@@ -72,6 +72,17 @@ def gumbel_table(device: torch.device | str) -> torch.Tensor:
     return table
 
 
+def gumbel_noise_codebooks(key: torch.Tensor, first: int, count: int, vocab_size: int) -> torch.Tensor:
+    """Noise of codebooks first..first+count-1 for frame keys [B] in one pass: [count, B, V].
+
+    Bit-identical to gumbel_noise(codebook_key(key, c), V) per codebook; the noise never
+    depends on earlier tokens, so a frame's MTP noise can be drawn before its depth loop.
+    """
+    codebooks = torch.arange(first, first + count, dtype=torch.int64, device=key.device)
+    keys = mix32(key[None, :] ^ (codebooks[:, None] & MASK32))
+    return gumbel_noise(keys.reshape(-1), vocab_size).reshape(count, key.shape[0], vocab_size)
+
+
 def gumbel_noise(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise [B, V] (float32) as a pure function of the row keys."""
     index = token_hash(key, vocab_size) >> (32 - NOISE_BITS)

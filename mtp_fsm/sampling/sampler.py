@@ -66,6 +66,7 @@ def sample_tokens(
     key: torch.Tensor | None = None,
     top_k_max: int | None = None,
     any_top_p: bool = True,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens int64 [B], bad bool [B]).
 
@@ -73,7 +74,7 @@ def sample_tokens(
     The rest are host-known shortcuts that never change a result: apply_filters=False when
     no row restricts top-k/top-p; key = frame_key(seed, frame_index) precomputed for the
     step; top_k_max (the largest top_k of the rows) with any_top_p=False lets top-k use
-    topk instead of a sort.
+    topk instead of a sort; noise [B, V] precomputed for this codebook (gumbel_noise_codebooks).
     """
     logits = logits.float()
     bad = ~torch.isfinite(logits).all(dim=-1)
@@ -88,7 +89,8 @@ def sample_tokens(
         else:
             keep = filter_mask(scores, top_k, top_p)
         scores = scores.masked_fill(~keep, NEG_INF)
-    key = frame_key(seed, frame_index) if key is None else key
-    noise = gumbel_noise(codebook_key(key, codebook), logits.shape[-1])
+    if noise is None:
+        key = frame_key(seed, frame_index) if key is None else key
+        noise = gumbel_noise(codebook_key(key, codebook), logits.shape[-1])
     scores = torch.where(greedy[:, None], logits, scores + noise)
     return torch.argmax(scores, dim=-1), bad
