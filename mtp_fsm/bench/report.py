@@ -51,6 +51,25 @@ def markdown_table(results: dict) -> str:
     return note + "\n\n" + _sweep_table(life["sweep"], designs)
 
 
+README_BEGIN = "<!-- bench-table:begin -->"
+README_END = "<!-- bench-table:end -->"
+
+
+def update_readme(path: str, results: dict) -> bool:
+    """Put the latest table (with its date and machine) between the README's bench markers."""
+    with open(path) as f:
+        text = f.read()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    m = results["machine"]
+    stamp = f"{m.get('date', '')} · {m.get('cpu', '')} · {m.get('cores', '')} cores · torch {m.get('torch', '')}"
+    block = f"{README_BEGIN}\n_From `make bench`, {stamp}._\n\n{markdown_table(results)}\n{README_END}"
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    with open(path, "w") as f:
+        f.write(text[:start] + block + text[end:])
+    return True
+
+
 def _counts_table(counts: dict) -> str:
     lines = ["| batch | aten ops | non-view ops (≈launches) | syncs | D2H copies | H2D (host data) | host-stage ops |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -125,19 +144,6 @@ def _breakdown_lines(breakdown: dict, sweep: dict) -> list[str]:
     return lines
 
 
-def _whatif_table(whatif: dict) -> str:
-    lines = ["| vocab | batch | sample_tokens ms | lean ms | lean + MTP noise drawn once ms | non-view ops | same tokens |",
-             "|---|---:|---:|---:|---:|---|:---:|"]
-    for vocab, rows in whatif.items():
-        for b in sorted(rows, key=int):
-            r = rows[b]
-            ops = " / ".join(str(r["ops"][k]) for k in ("reference", "lean", "lean_noise")) if r.get("ops") else ""
-            lines.append(f"| {vocab} | {b} | {r['reference_ms']:.2f} | {r['lean_ms']:.2f} ({r['speedup']:.1f}×) | "
-                         f"{r['lean_noise_ms']:.2f} ({r['speedup_noise']:.1f}×) | {ops} | "
-                         f"{'yes' if r['identical'] else 'NO'} |")
-    return "\n".join(lines)
-
-
 def markdown_report(results: dict) -> str:
     """The whole results.md: header (date, machine), every table, targets, findings."""
     m = results["machine"]
@@ -187,14 +193,6 @@ def markdown_report(results: dict) -> str:
     if profile:
         out += ["", "## Where an engine step's time goes (exclusive ms per group, mean over steps)", "", _split_table(profile)]
         out += ["", *[f"- {line}" for line in profile.get("findings", [])]]
-    whatif = results.get("whatif_sampler")
-    if whatif:
-        out += ["", "## What-if: a leaner batched sampler, bit-identical (one step: CB0 + 15 MTP codebooks)", "",
-                "`topk(k_max)` instead of a full sort + fixed-point top-p mass when no row uses top-p, the "
-                "codebook-independent part of the row key computed once per step, the codebook folded in as a "
-                "Python int (`mtp_fsm.bench.whatif.lean_sample`); then also the Gumbel noise of all 15 MTP "
-                "codebooks drawn in one pass before the depth loop (`mtp_noise`, it never depends on earlier "
-                "tokens). Ops: one step's sampling, current / lean / lean + noise.", "", _whatif_table(whatif)]
     e2e = results.get("e2e")
     if e2e:
         out += ["", f"## End to end: tiny Qwen3-TTS ({e2e['dtype']}, max {e2e['max_frames']} frames, {e2e['sampling']})",

@@ -16,7 +16,7 @@ import torch
 from .counters import constant_in_batch, count_call, engine_counts_by_batch
 from .drivers import DRIVERS, make_requests
 from .null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
-from .report import markdown_report, markdown_table, plot_step_time
+from .report import markdown_report, markdown_table, plot_step_time, update_readme
 from .timing import PROMPT_LEN, bench_engine_scaling, bench_sweep
 
 BATCH_SIZES = (1, 8, 64, 256, 1024)
@@ -112,17 +112,6 @@ def run_naive_breakdown(config, batch: int, log) -> dict:
     return {"batch": batch, "designs": out}
 
 
-def run_whatif(log) -> dict:
-    from .whatif import compare_samplers
-
-    small, real = lifecycle_config(), qwen3_tts_sizes()
-    return {
-        f"CB0 {small.backbone_vocab_size} / codes {small.codebook_size}": compare_samplers((8, 256, 1024), small.backbone_vocab_size, small.codebook_size, count_ops=True,
-                                        log=log),
-        f"CB0 {real.backbone_vocab_size} / codes {real.codebook_size}": compare_samplers((8, 64), real.backbone_vocab_size, real.codebook_size, reps=3, log=log),
-    }
-
-
 def findings(profile: dict) -> list[str]:
     """Plain statements of where the engine's step time goes, from the split and cProfile."""
     lines = []
@@ -174,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=8.0, help="seconds of timed steps per batch size")
     parser.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=BATCH_SIZES)
     parser.add_argument("--naive-max-batch", type=int, default=None, help="skip the naive designs above this batch")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: real_vocab,breakdown,counts,profile,whatif,e2e")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: real_vocab,breakdown,counts,profile,e2e")
     parser.add_argument("--e2e-model", default="models.qwen3_tts", help="import path of the tiny talker package")
     parser.add_argument("--e2e-max-frames", type=int, default=32)
+    parser.add_argument("--readme", default="README.md",
+                        help="README whose bench-table block gets the new table (skipped when absent)")
     args = parser.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     previous_threads = torch.get_num_threads()
@@ -207,9 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         if "profile" not in skip:
             log("engine step split:")
             results["profile"] = run_profile(cfg, log)
-        if "whatif" not in skip:
-            log("what-if: a leaner batched sampler (same tokens):")
-            results["whatif_sampler"] = run_whatif(log)
         if "e2e" not in skip:
             from .e2e import bench_e2e
 
@@ -223,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out_dir, "results.md"), "w") as f:
             f.write(markdown_report(results))
         plot_step_time(results, os.path.join(args.out_dir, "step_time.png"))
+        if os.path.exists(args.readme) and update_readme(args.readme, results):
+            log(f"updated the bench table in {args.readme}")
         log("")
         log(markdown_table(results))
         for t in results["targets"]:
