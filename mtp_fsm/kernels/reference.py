@@ -20,7 +20,7 @@ from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
 TextStep = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Draw a frame's MTP noise in one pass (fewer, larger ops) up to this many elements.
-BATCHED_NOISE_ELEMENTS = 1 << 18  # measured: larger blocks fall out of cache and lose
+BATCHED_NOISE_ELEMENTS = 1 << 17  # measured: larger blocks fall out of cache and lose
 
 # Layout of the packed per-row output (one device-to-host copy per step).
 OUT_VALID, OUT_FRAME_INDEX, OUT_STATE, OUT_REASON, OUT_ERROR, OUT_NUM_FRAMES, OUT_CODES = range(7)
