@@ -13,13 +13,13 @@ import torch
 from ..errors import (
     AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
 )
-from ..kernels.contract import StagedAdmits, StagedEvents, StepBatch
+from ..kernels.contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
+from ..kernels.reference import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID
 from ..lifecycle import LIVE_STATES, TERMINAL_STATES, FinishReason, Oracle, State, Trigger
-from ..model_api import TalkerModel
+from ..model_api import PreparedPrompt, TalkerModel
 from ..sampling.topp import MAX_VOCAB_FIXED
 from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, Span, StepPlan
-from ..kernels.reference import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID
 from .records import RequestRecord
 from .staging import build_batch, stage_admits
 
@@ -40,6 +40,9 @@ class HostStep:
 
 
 class Ledger:
+    """Host truth about requests (records, slot ownership) and the per-slot mirror of the
+    device, refreshed from each step's single output copy."""
+
     def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle) -> None:
         self.model, self.table, self.oracle = model, table, oracle
         self.spec = model.spec
@@ -47,7 +50,7 @@ class Ledger:
         self.records: dict[str, RequestRecord] = {}
         self._next_serial = 1
         self._resuming: set[str] = set()
-        self._prepared: dict[int, tuple[weakref.ref, object]] = {}  # id(request) -> (request, prompt)
+        self._prepared: dict[int, tuple[weakref.ref, PreparedPrompt]] = {}  # id(request) -> (request, prompt)
         # Host mirror of the device, per slot, refreshed from each step's output copy.
         rows = table.max_slots + 1
         self.slot_state = np.zeros(rows, dtype=np.int64)
@@ -74,7 +77,7 @@ class Ledger:
         if not self.oracle.may(record.fsm, trigger):
             raise LifecycleError(record.request_id, record.state, trigger)
 
-    def prepare(self, req: NewRequest):
+    def prepare(self, req: NewRequest) -> PreparedPrompt:
         """The model's PreparedPrompt for this request object (computed once, kept until admitted)."""
         cached = self._prepared.get(id(req))
         if cached is not None and cached[0]() is req:
@@ -289,9 +292,11 @@ class Ledger:
             self.slot_frames[record.slot] = record.num_frames
         events = None
         if ev_slots:
+            device = self.table.device
             events = StagedEvents(
-                torch.tensor(ev_slots, dtype=torch.int64), torch.tensor(ev_triggers, dtype=torch.int64),
-                torch.tensor(ev_reasons, dtype=torch.int32),
+                torch.tensor(ev_slots, dtype=torch.int64).to(device),
+                torch.tensor(ev_triggers, dtype=torch.int64).to(device),
+                torch.tensor(ev_reasons, dtype=torch.int32).to(device),
             )
         admits, replay = stage_admits(self.table, self.spec, admitted)
         batch, row_records, slots_np = self._stage_rows(plan.rows)
