@@ -74,7 +74,7 @@ def apply_admits(table: SlotTable, trans: torch.Tensor, admits: StagedAdmits) ->
     for name, column in table.columns().items():
         if name in ("state", "error"):
             continue
-        column[slots] = torch.tensor(defaults[name], dtype=column.dtype, device=column.device)
+        column[slots] = defaults[name]  # a host scalar: no per-column device copy
         value = admits.values.get(name)
         if value is None:
             continue
