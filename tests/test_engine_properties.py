@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mtp_fsm.engine import LockstepEngine, Span, StepPlan
 from mtp_fsm.lifecycle import LIVE_STATES, TERMINAL_STATES, State
-from mtp_fsm.testing.oracle_driver import OracleDriver, reference_runs, scripted_mtp, scripted_single, torch_threads
+from mtp_fsm.testing.alone import reference_runs, scripted_mtp, scripted_single, torch_threads
+from mtp_fsm.testing.oracle_driver import OracleDriver
 from mtp_fsm.testing.stateful import scripted_requests
 
 FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single}

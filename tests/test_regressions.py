@@ -13,7 +13,7 @@ from mtp_fsm.errors import (
 from mtp_fsm.lifecycle import FinishReason, State
 from mtp_fsm.sampling import SamplingParams
 from mtp_fsm.testing import ScriptedTalker, ScriptInputs
-from mtp_fsm.testing.oracle_driver import RequestDef, run_alone, scripted_mtp, scripted_single, torch_threads
+from mtp_fsm.testing.alone import RequestDef, run_alone, scripted_mtp, scripted_single, torch_threads
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from mtp_fsm.sampling import GREEDY, SamplingParams, filter_mask, gumbel_noise, mix32, row_key, sample_tokens, token_hash
 from mtp_fsm.sampling.noise import MASK32, NOISE_TABLE_SIZE, gumbel_table
 from mtp_fsm.sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, MAX_VOCAB_FIXED, fixed_tables
-from mtp_fsm.testing.oracle_driver import torch_threads
+from mtp_fsm.testing.alone import torch_threads
 
 PROPS = settings(max_examples=50, deadline=None)
 

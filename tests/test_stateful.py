@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from mtp_fsm.lifecycle import compile_table, lifecycle_for
-from mtp_fsm.testing.oracle_driver import torch_threads
+from mtp_fsm.testing.alone import torch_threads
 from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycle_test_case, scripted_mtp, scripted_single
 
 # Tuned so the whole file runs in well under 2 minutes on 2 cores.

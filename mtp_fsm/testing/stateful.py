@@ -30,7 +30,8 @@ from ..errors import (
 from ..lifecycle import LIVE_STATES, TERMINAL_STATES, State, Trigger
 from ..model_api import ModelSpec
 from ..sampling import GREEDY, SamplingParams
-from .oracle_driver import ModelFactory, OracleDriver, RequestDef, reference_runs, scripted_mtp, scripted_single
+from .alone import ModelFactory, RequestDef, reference_runs, scripted_mtp, scripted_single
+from .oracle_driver import OracleDriver
 from .scripted import ScriptInputs
 
 SAMPLING = (

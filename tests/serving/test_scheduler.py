@@ -38,7 +38,6 @@ def test_token_budget_and_chunk_size_are_respected():
     for plan in plans:
         assert sum(s.num_tokens for s in plan.rows) <= 10
         assert all(1 <= s.num_tokens <= 4 for s in plan.rows)
-        sizes = [s.num_tokens for s in plan.rows]
         # decode rows (1 token, prompt done) come before any prefill chunk
         ids = [s.request_id for s in plan.rows]
         assert len(set(ids)) == len(ids)

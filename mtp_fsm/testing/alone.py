@@ -1,0 +1,173 @@
+"""Reference runs: the frames (or EOS / error) each request produces ALONE in a fresh engine."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import attrs
+import torch
+
+from ..engine import LockstepEngine, NewRequest, Span, StepPlan
+from ..lifecycle import FinishReason
+from ..model_api import TalkerModel
+from ..sampling import SamplingParams
+from .scripted import ScriptedTalker, ScriptInputs
+
+ModelFactory = Callable[[], TalkerModel]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = 1) -> Iterator[None]:
+    """Run tiny-tensor tests on n intra-op threads (restored after): on a small shared
+    machine, thread hand-offs for 16-wide tensors cost far more than the arithmetic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def scripted_mtp() -> ScriptedTalker:
+    """The default model: a 4-codebook scripted talker with an MTP stage, float64."""
+    return ScriptedTalker(dtype=torch.float64)
+
+
+def scripted_single() -> ScriptedTalker:
+    """A single-codebook scripted talker (no MTP stage), float64."""
+    return ScriptedTalker(num_codebooks=1, dtype=torch.float64)
+
+
+@attrs.frozen
+class RequestDef:
+    """Everything that determines a request's output (hashable: the reference cache key)."""
+
+    inputs: Any
+    max_frames: int
+    seed: int = 0
+    cb0: SamplingParams = SamplingParams()
+    mtp: SamplingParams = SamplingParams()
+
+    def new_request(self, request_id: str, **overrides) -> NewRequest:
+        fields = dict(inputs=self.inputs, max_frames=self.max_frames, seed=self.seed,
+                      cb0_sampling=self.cb0, mtp_sampling=self.mtp)
+        return NewRequest(request_id, **{**fields, **overrides})
+
+    @staticmethod
+    def of(req: NewRequest) -> "RequestDef":
+        return RequestDef(req.inputs, req.max_frames, req.seed, req.cb0_sampling, req.mtp_sampling)
+
+
+@attrs.frozen
+class AloneRun:
+    """A request run alone (max_slots=1, full prefill then decode): the ground truth."""
+
+    frames: tuple[tuple[int, ...], ...]
+    reason: FinishReason
+    error_kind: str | None  # "cb0" (non-finite backbone logits) or "mtp" when reason is ERROR
+
+
+def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwargs) -> AloneRun:
+    model = model_factory()
+    bad = {"cb0": False, "mtp": False}
+    cb0_logits, mtp = model.cb0_logits, getattr(model, "mtp", None)
+
+    def probe_cb0(hidden):  # which stage saw the non-finite row (one row: no ambiguity)
+        logits = cb0_logits(hidden)
+        bad["cb0"] = not bool(torch.isfinite(logits).all())
+        return logits
+
+    def probe_mtp(hidden, cb0, sample):
+        bad["mtp"] = False
+
+        def probed(logits, codebook):
+            bad["mtp"] |= not bool(torch.isfinite(logits).all())
+            return sample(logits, codebook)
+
+        return mtp(hidden, cb0, probed)
+
+    model.cb0_logits = probe_cb0
+    if model.spec.has_mtp:
+        model.mtp = probe_mtp
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_slots"}
+    engine = LockstepEngine(model, 1, **engine_kwargs)
+    prompt_len = int(model.prepare(definition.inputs).prompt_embeds.shape[0])
+    out = engine.step(StepPlan(new_requests=(definition.new_request("alone"),), rows=(Span("alone", prompt_len),)))
+    frames: list[tuple[int, ...]] = []
+    for _ in range(model.spec.max_context + 2):
+        for frame in out.frames:
+            assert frame.index == len(frames), f"alone run published frame {frame.index}, expected {len(frames)}"
+            frames.append(tuple(int(c) for c in frame.codes))
+        if out.finished:
+            (done,) = out.finished
+            kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
+            run = AloneRun(tuple(frames), done.reason, kind)
+            if isinstance(definition.inputs, ScriptInputs):
+                _check_script(definition.inputs, run, model.spec.has_mtp)
+            return run
+        out = engine.step(StepPlan(rows=(Span("alone", 1),)))
+    raise AssertionError(f"alone run of {definition} never finished")
+
+
+def _check_script(inputs: ScriptInputs, run: AloneRun, has_mtp: bool) -> None:
+    """The alone run is itself an engine run: hold it to the script, so an engine that
+    ignored a forced EOS or NaN everywhere would not agree with itself unnoticed."""
+
+    def forced(f: int) -> str | None:
+        if inputs.eos_at == f:
+            return "eos"  # forced EOS logits are finite even where the hidden state is NaN
+        if inputs.nan_at == f:
+            return "cb0"
+        return "mtp" if has_mtp and inputs.mtp_nan_at == f else None
+
+    n = len(run.frames)
+    early = [f for f in range(n) if forced(f)]
+    end = forced(n)
+    if run.reason is FinishReason.EOS:
+        ok = end in (None, "eos", "mtp")  # a natural EOS is sampled before the MTP stage
+    elif run.reason is FinishReason.ERROR:
+        ok = end == run.error_kind
+    else:
+        ok = True
+    assert not early and ok, f"alone run of {inputs} ended {run.reason.label}/{run.error_kind} after {n} frames"
+
+
+class ReferenceRuns:
+    """Alone runs computed lazily and cached per request definition."""
+
+    def __init__(self, model_factory: ModelFactory, **engine_kwargs) -> None:
+        self.model_factory, self.engine_kwargs = model_factory, engine_kwargs
+        self._runs: dict[RequestDef, AloneRun] = {}
+        self._prompt_lens: dict[Any, int] = {}
+        self._model: TalkerModel | None = None
+
+    def get(self, definition: RequestDef) -> AloneRun:
+        run = self._runs.get(definition)
+        if run is None:
+            run = self._runs[definition] = run_alone(self.model_factory, definition, **self.engine_kwargs)
+        return run
+
+    def prompt_len(self, inputs: Any) -> int:
+        n = self._prompt_lens.get(inputs)
+        if n is None:
+            self._model = self._model or self.model_factory()
+            n = self._prompt_lens[inputs] = int(self._model.prepare(inputs).prompt_embeds.shape[0])
+        return n
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+
+_CACHES: dict[tuple, ReferenceRuns] = {}
+
+
+def reference_runs(model_factory: ModelFactory, **engine_kwargs) -> ReferenceRuns:
+    """The shared cache for this (model factory, engine kwargs): alone runs survive examples."""
+    kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_slots"}
+    key = (model_factory, tuple(sorted(kwargs.items())))
+    if key not in _CACHES:
+        _CACHES[key] = ReferenceRuns(model_factory, **kwargs)
+    return _CACHES[key]
+
+
