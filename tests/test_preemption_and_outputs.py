@@ -143,3 +143,32 @@ def test_a_model_exception_ends_that_steps_requests_and_the_engine_keeps_serving
     expected = {r.request_id: frames_alone(model, r) for r in reqs[1:]}
     expected["r1"] = expected["r1"][1:]  # r1's frame 0 came in the first step above
     assert frames == expected
+
+
+class ResetExplodingTalker(ScriptedTalker):
+    """Raises while clearing the slot state of an admitted request."""
+
+    explode = False
+
+    def reset_slots(self, slots):
+        if self.explode:
+            raise RuntimeError("out of memory while clearing the KV cache")
+        return super().reset_slots(slots)
+
+
+def test_a_model_exception_during_admission_ends_only_the_admitted_requests():
+    model = ResetExplodingTalker()
+    engine = LockstepEngine(model, 3)
+    engine.step(StepPlan(new_requests=(request(0, eos_at=None, max_frames=5),), rows=(Span("r0", 6),)))
+    model.explode = True
+    out = engine.step(StepPlan(new_requests=(request(1),), rows=(Span("r1", 6),)))
+    model.explode = False
+    assert [(f.request_id, f.reason) for f in out.finished] == [("r1", FinishReason.ERROR)]
+    assert "out of memory" in out.finished[0].detail
+    assert engine.requests() == {"r0": "decoding", "r1": "aborted"}
+    # The failed admission's slot is released like any finished one and can be reused.
+    engine.step(StepPlan(releases=("r1",)))
+    assert "r1" not in engine.requests() and engine.num_free_slots == 2
+    frames, reasons = run_to_completion(engine, [request(2)], chunk=6)
+    assert reasons["r2"] == FinishReason.EOS and frames["r2"] == frames_alone(model, request(2))
+    assert [i for i, _ in frames["r0"]] == [1, 2, 3, 4]

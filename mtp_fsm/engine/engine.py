@@ -100,8 +100,9 @@ class LockstepEngine:
         every other request as it was."""
         host = self.ledger.stage(plan)
         with torch.inference_mode():
-            self._apply_boundary(host)
-            try:
+            self._apply_events(host)
+            try:  # from here on the model runs: its failures stay with this step's requests
+                self._admit(host)
                 packed = self._run_rows(host)
             except Exception as exc:
                 return self._fail_step(host, exc)
@@ -115,11 +116,22 @@ class LockstepEngine:
 
     # -- device pipeline ----------------------------------------------------------------
 
-    def _apply_boundary(self, host: HostStep) -> None:
-        """Stage 1: host events, then admissions (and the frames resumed requests replay)."""
-        k, table, trans, model = self.kernels, self.table, self._trans, self.model
+    def _run_device_stages(self, host: HostStep) -> torch.Tensor:
+        """Every device stage of a staged step, in order, without the fault handling of
+        step(): for harnesses that count, time or graph-capture the device half."""
+        self._apply_events(host)
+        self._admit(host)
+        return self._run_rows(host)
+
+    def _apply_events(self, host: HostStep) -> None:
+        """Stage 1a: releases, aborts and preemptions, through the transition table."""
         if host.events is not None:
-            k.apply_host_events(table, trans, host.events)
+            self.kernels.apply_host_events(self.table, self._trans, host.events)
+
+    def _admit(self, host: HostStep) -> None:
+        """Stage 1b: admissions (every column re-initialised, the model's slot state cleared)
+        and the frames resumed requests replay into their prompt rows."""
+        k, table, trans, model = self.kernels, self.table, self._trans, self.model
         if host.admits is not None:
             model.reset_slots(host.admits.slots)
             k.apply_admits(table, trans, host.admits)

@@ -37,6 +37,7 @@ class HostStep:
     slots_np: np.ndarray  # slot per row (scratch for padding), host copy
     padding_np: np.ndarray
     ended: list[FinishedRequest]  # aborts applied at this boundary
+    admitted: list[RequestRecord]  # new and resumed requests given a slot at this boundary
 
 
 class Ledger:
@@ -301,7 +302,9 @@ class Ledger:
         admits, replay = stage_admits(self.table, self.spec, admitted)
         batch, row_records, slots_np = self._stage_rows(plan.rows)
         row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
-        return HostStep(events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended)
+        return HostStep(
+            events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted
+        )
 
     def _stage_rows(self, rows: tuple[Span | None, ...]):
         records = [None if s is None else self.records[s.request_id] for s in rows]
@@ -339,15 +342,17 @@ class Ledger:
 
 
     def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
-        """A step whose model raised: its scheduled live requests end with reason error.
+        """A step whose model raised: its scheduled and newly admitted live requests end
+        with reason error.
 
         Returns their slots, their states before the step (the device rolls back to them,
         then aborts through the table) and their finish records. Requests that were
         already terminal (overrun rows) are left as they were.
         """
         slots, before, ended = [], [], []
-        for record in host.row_records:
-            if record is None or record.slot is None:
+        affected = {id(r): r for r in [*host.row_records, *host.admitted] if r is not None}
+        for record in affected.values():
+            if record.slot is None:
                 continue
             self.sync(record)
             if record.state in TERMINAL_STATES:

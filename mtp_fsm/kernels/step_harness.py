@@ -2,7 +2,7 @@
 buckets with persistent StepBatch buffers (captured as CUDA graphs on a GPU), and labels
 for launch counting.
 
-Uses engine internals (ledger.stage, _apply_boundary/_run_rows or _run_device_stages,
+Uses engine internals (ledger.stage, _run_device_stages / _run_rows,
 _build_output): the engine does not yet own static step buffers, so the padded buckets
 are built here (see PaddedStep for what the engine would need to own).
 """
@@ -65,10 +65,7 @@ def qwen_requests(inputs_cls, n: int):
 
 def device_stages(engine, host) -> torch.Tensor:
     """The engine's device half of a step (boundary events/admits, then the rows)."""
-    if hasattr(engine, "_run_device_stages"):
-        return engine._run_device_stages(host)
-    engine._apply_boundary(host)
-    return engine._run_rows(host)
+    return engine._run_device_stages(host)
 
 
 def finish(engine, host, packed: torch.Tensor):
