@@ -196,16 +196,20 @@ def count_call(fn: Callable[[], object]) -> StepCounts:
 def engine_counts_by_batch(
     model_factory: Callable[[], object], batch_sizes: Sequence[int], inputs: object
 ) -> dict[int, dict[str, StepCounts]]:
-    """Per batch size: counts of the admit+prefill step and of a steady decode step."""
+    """Per batch size: counts of the admit+prefill step and of a steady decode step.
+
+    Every batch runs on an engine of the same size (the largest batch), so what varies
+    is only the number of rows in the step: the engine's per-step work must not."""
     from ..engine import Span, StepPlan
     from .drivers import EngineDriver, make_requests
 
     from ..sampling.noise import gumbel_table
 
     out = {}
+    max_slots = max(batch_sizes)
     for b in batch_sizes:
         gumbel_table(torch.device("cpu"))  # built lazily on first use: not part of any step
-        driver = EngineDriver(model_factory(), make_requests(b, inputs))
+        driver = EngineDriver(model_factory(), make_requests(b, inputs), max_slots=max_slots)
         lengths = [int(driver.engine.model.prepare(r.inputs).prompt_embeds.shape[0]) for r in driver.requests]
         admit_plan = StepPlan(
             new_requests=tuple(r.to_new() for r in driver.requests),

@@ -44,8 +44,10 @@ class EngineDriver:
 
     name = "engine"
 
-    def __init__(self, model: TalkerModel, requests: Sequence[BenchRequest], *, device="cpu") -> None:
-        self.engine = LockstepEngine(model, max_slots=len(requests), device=device)
+    def __init__(
+        self, model: TalkerModel, requests: Sequence[BenchRequest], *, device="cpu", max_slots: int | None = None
+    ) -> None:
+        self.engine = LockstepEngine(model, max_slots=max_slots or len(requests), device=device)
         self.requests = list(requests)
         self._decode = StepPlan(rows=tuple(Span(r.request_id, 1) for r in self.requests))
 

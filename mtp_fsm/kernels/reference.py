@@ -179,8 +179,10 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
 
     def noise_for(codebook: int, vocab: int) -> torch.Tensor | None:
         count = table.num_codebooks - 1
-        if vocab not in drawn:  # one pass for the whole frame, unless it would be too large
-            fits = count * key.shape[0] * vocab <= BATCHED_NOISE_ELEMENTS
+        if vocab not in drawn:
+            # Decided by the table's size, never the step's row count, so a step's work
+            # (and its op count) does not depend on how many rows it has.
+            fits = count * (table.max_slots + 1) * vocab <= BATCHED_NOISE_ELEMENTS
             drawn[vocab] = gumbel_noise_codebooks(key, 1, count, vocab) if fits else None
         block = drawn[vocab]
         return block[codebook - 1] if block is not None and 1 <= codebook <= count else None
