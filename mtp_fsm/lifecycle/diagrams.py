@@ -33,6 +33,9 @@ def dot_source(spec: LifecycleSpec) -> str:
 def mermaid_source(spec: LifecycleSpec) -> str:
     # Drop the "current state" highlighting: a spec diagram has no current state.
     lines = [ln for ln in _graph_source(spec, "mermaid").splitlines() if not ln.strip().startswith("Class ")]
+    # transitions writes a bare title in the front matter; Mermaid expects `title: ...`.
+    if len(lines) > 2 and lines[0] == lines[2] == "---" and not lines[1].startswith("title:"):
+        lines[1] = f"title: {lines[1]}"
     return "\n".join(ln.rstrip() for ln in lines).strip() + "\n"
 
 
