@@ -28,24 +28,32 @@ DEMO_TEXTS = (
 )
 
 
+def positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .serving.model_loader import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="mtp-fsm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve a batch of TTS requests with the tiny random model")
-    demo.add_argument("--requests", type=int, default=16, help="number of requests (texts are cycled)")
-    demo.add_argument("--max-slots", type=int, default=8, help="slot table rows (concurrent requests)")
+    demo.add_argument("--requests", type=positive, default=16, help="number of requests (texts are cycled)")
+    demo.add_argument("--max-slots", type=positive, default=8, help="slot table rows (concurrent requests)")
     demo.add_argument(
-        "--prefill-chunk", type=int, default=4,
+        "--prefill-chunk", type=positive, default=4,
         help="prompt tokens per prefill chunk (the tiny prompt is 8 positions: 4 shows chunked prefill)",
     )
-    demo.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
+    demo.add_argument("--token-budget", type=positive, default=256, help="tokens per engine step")
     demo.add_argument("--seed", type=int, default=0, help="model weights seed; request i samples with seed+i")
-    demo.add_argument("--max-frames", type=int, default=48, help="frame budget per request")
+    demo.add_argument("--max-frames", type=positive, default=48, help="frame budget per request")
     demo.add_argument("--model", default=DEFAULT_MODEL, help="talker factory as 'package.module:factory'")
     demo.add_argument("--out", default="demo_out", help="output folder (states.png, frames.jsonl)")
-    demo.add_argument("--preempt-after", type=int, default=None, metavar="N",
+    demo.add_argument("--preempt-after", type=positive, default=None, metavar="N",
                       help="preempt the newest running request when the queue head waited N steps for a slot")
     demo.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
     demo.add_argument("--threads", type=int, default=1,
@@ -65,7 +73,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return run_demo(args)
+        from .errors import MtpFsmError
+        from .serving.model_loader import ModelLoadError
+
+        try:
+            return run_demo(args)
+        except (ModelLoadError, MtpFsmError) as exc:  # bad configuration: say what, no traceback
+            print(f"mtp-fsm demo: error: {exc}", file=sys.stderr)
+            return 2
     module = {"bench": "mtp_fsm.bench", "diagrams": "mtp_fsm.lifecycle.diagrams"}[args.command]
     return _call_optional(module, [*extra, *args.args])
 

@@ -100,3 +100,13 @@ def test_mtp_fsm_never_imports_models_statically():
                         if stripped.startswith(("import models", "from models")):
                             offenders.append(f"{path}: {stripped}")
     assert not offenders, offenders
+
+
+def test_demo_rejects_bad_settings_with_a_message_not_a_traceback(capsys):
+    from mtp_fsm.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--max-slots", "0"])
+    assert exc.value.code == 2 and "--max-slots: must be an integer >= 1" in capsys.readouterr().err
+    assert main(["demo", "--model", "no_such_package:factory", "--no-progress"]) == 2
+    assert "cannot import 'no_such_package'" in capsys.readouterr().err
