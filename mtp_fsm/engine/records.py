@@ -17,7 +17,7 @@ class RequestRecord:
 
     __slots__ = (
         "request", "fsm", "prepared", "slot", "serial", "prompt_len", "num_computed",
-        "num_frames", "finish_reason", "replay_codes", "cb0_filters", "mtp_filters",
+        "num_frames", "finish_reason", "replay_codes",
     )
 
     def __init__(self, request: NewRequest, fsm: RequestFSM, prepared: PreparedPrompt) -> None:
@@ -30,9 +30,6 @@ class RequestRecord:
         self.num_computed = 0
         self.num_frames = 0
         self.finish_reason = FinishReason.NONE
-        # Host-known, so the step can skip the top-k/top-p sort without reading the device.
-        self.cb0_filters = request.cb0_sampling.filters
-        self.mtp_filters = request.mtp_sampling.filters
         self.replay_codes: torch.Tensor | None = None  # [n, Q] frames published before preemption
 
     @property

@@ -76,7 +76,10 @@ def build_batch(table: SlotTable, records: list[RequestRecord | None], counts: l
     idx = [scratch if r is None else r.slot for r in records]
     token_rows = torch.repeat_interleave(torch.arange(len(records)), torch.tensor(counts, dtype=torch.int64))
     qsl = torch.tensor(starts, dtype=torch.int64)
-    live = [r for r in records if r is not None]
+    live = [r.request for r in records if r is not None]
+    # Host-known sampler facts (no device read): the largest top_k and whether any row uses top-p.
+    cb0_k_max, cb0_top_p = _filter_facts(q.cb0_sampling for q in live)
+    mtp_k_max, mtp_top_p = _filter_facts(q.mtp_sampling for q in live)
     batch = StepBatch(
         idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
         is_padding=torch.tensor([r is None for r in records], dtype=torch.bool).to(device),
@@ -86,11 +89,18 @@ def build_batch(table: SlotTable, records: list[RequestRecord | None], counts: l
         token_rows=token_rows.to(device),
         token_offsets=(torch.arange(starts[-1]) - qsl[token_rows]).to(device),
         last_token=(qsl[1:] - 1).clamp(min=0).to(device),
-        cb0_filters=any(r.cb0_filters for r in live),
-        mtp_filters=any(r.mtp_filters for r in live),
-        cb0_top_k_max=max((r.request.cb0_sampling.top_k for r in live), default=0),
-        cb0_any_top_p=any(r.request.cb0_sampling.top_p < 1.0 for r in live),
-        mtp_top_k_max=max((r.request.mtp_sampling.top_k for r in live), default=0),
-        mtp_any_top_p=any(r.request.mtp_sampling.top_p < 1.0 for r in live),
+        cb0_filters=cb0_k_max > 0 or cb0_top_p,
+        mtp_filters=mtp_k_max > 0 or mtp_top_p,
+        cb0_top_k_max=cb0_k_max,
+        cb0_any_top_p=cb0_top_p,
+        mtp_top_k_max=mtp_k_max,
+        mtp_any_top_p=mtp_top_p,
     )
     return batch, np.array(idx, dtype=np.int64)
+
+
+def _filter_facts(params) -> tuple[int, bool]:
+    k_max, any_top_p = 0, False
+    for p in params:
+        k_max, any_top_p = max(k_max, p.top_k), any_top_p or p.top_p < 1.0
+    return k_max, any_top_p
