@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from ..errors import EngineInvariantError
 from ..kernels import select_backend
-from ..kernels.reference import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX
-from ..kernels.contract import StagedEvents
-from ..lifecycle import FinishReason, Oracle, Trigger, compile_table, lifecycle_for
+from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID, StagedEvents
+from ..lifecycle import FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel
 from ..slots import SlotTable
@@ -17,12 +18,31 @@ from .ledger import HostStep, Ledger
 from .plan import FrameBatch, NewRequest, RowOutput, StepOutput, StepPlan
 
 
+class ModelFault(Exception):
+    """A model call raised inside a step (wraps the model's own exception)."""
+
+
+def _model_call(fn):
+    """Mark a model entry point: its exceptions become ModelFault, so step() can end that
+    step's requests while a kernel bug still surfaces as itself."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise ModelFault(exc) from exc
+
+    return call
+
+
 class LockstepEngine:
     """Advances every request's state machine together, one fused stage at a time.
 
-    The host validates and stages a StepPlan (ledger), the device runs the stages
-    (kernels + model) with no host synchronisation, and one copy brings the step's
-    packed output back, from which request-attributed frames are built.
+    A step has three public phases, which `step()` runs in order: `stage(plan)` validates
+    and stages a StepPlan on the host (raising leaves everything as it was), `run_device`
+    runs the device stages (kernels + model) with no host synchronisation, and `finish`
+    turns the step's one device-to-host copy into request-attributed frames.
     """
 
     def __init__(
@@ -38,13 +58,25 @@ class LockstepEngine:
         self.spec = model.spec
         self.device = torch.device(device)
         self.lifecycle = lifecycle or lifecycle_for(self.spec.lifecycle)
-        self.transitions = compile_table(self.lifecycle)
-        self._trans = self.transitions.to(self.device)
+        self.compiled = compile_lifecycle(self.lifecycle)
+        if bool(self.lifecycle.stages_of(Phase.MTP)) != self.spec.has_mtp:
+            has = "has an MTP hook" if self.spec.has_mtp else "has no MTP hook"
+            raise LifecycleCompileError(
+                f"model {self.spec.name!r} {has} but lifecycle {self.lifecycle.name!r} declares "
+                f"{len(self.lifecycle.stages_of(Phase.MTP))} MTP-phase stages"
+            )
+        self._lc = self.compiled.to(self.device)
         self.kernels = select_backend(kernels, self.device)
         self.table = SlotTable.allocate(max_slots, self.spec, self.device, model.slot_columns())
         self.oracle = Oracle(self.lifecycle)
-        self.ledger = Ledger(model, self.table, self.oracle)
+        self.ledger = Ledger(model, self.table, self.oracle, self.compiled)
         model.bind_slots(max_slots, self.device, self.table.extra)
+        self._forward = _model_call(model.forward)
+        self._cb0_logits = _model_call(model.cb0_logits)
+        self._mtp = _model_call(model.mtp) if self.spec.has_mtp else None
+        self._frame_embed = _model_call(model.frame_embed)
+        self._text_step = _model_call(model.text_step)
+        self._reset_slots = _model_call(model.reset_slots)
         self._allowed = self._cb0_allowed()
         self.step_count = 0
 
@@ -76,39 +108,42 @@ class LockstepEngine:
         """Problems with a new request's own fields (empty when it is admissible)."""
         return self.ledger.check_new(request)
 
-    def request_progress(self, request_id: str) -> tuple[int, int, int]:
-        """(positions computed, prompt positions, frames published) as of the last step.
-
-        For a preempted request, the prompt a resume will prefill (prompt + published frames).
-        """
-        record = self.ledger._known(request_id, "report its progress")
-        if record.slot is None:
-            return 0, self.ledger.resume_prompt_len(record), record.num_frames
-        return record.num_computed, record.prompt_len, record.num_frames
-
     def request_state(self, request_id: str):
         """The request's lifecycle state as of the last step (host mirror)."""
-        record = self.ledger._known(request_id, "report its state")
-        return record.state
+        return self.ledger.record(request_id, "report its state").state
 
     def requests(self) -> dict[str, str]:
-        return {rid: self.ledger.sync(r).state.label for rid, r in self.ledger.records.items()}
+        return {rid: r.state.label for rid, r in self.ledger.all_records()}
 
     def step(self, plan: StepPlan) -> StepOutput:
         """Run one lockstep step. A bad plan raises before anything changes; a model that
         raises mid-step ends that step's scheduled requests with reason error and leaves
         every other request as it was."""
-        host = self.ledger.stage(plan)
+        host = self.stage(plan)
+        try:
+            packed = self.run_device(host)
+        except ModelFault as fault:
+            return self._fail_step(host, fault.__cause__ or fault)
+        return self.finish(host, packed)
+
+    # -- the three phases of a step -----------------------------------------------------
+
+    def stage(self, plan: StepPlan) -> HostStep:
+        """Validate the plan all-or-nothing, commit it on the host and stage device inputs."""
+        return self.ledger.stage(plan)
+
+    def run_device(self, host: HostStep) -> torch.Tensor:
+        """Every device stage of a staged step, in order; returns the packed output (+ a
+        trailing table-wide error row) on the device. Model exceptions raise ModelFault."""
         with torch.inference_mode():
             self._apply_events(host)
-            try:  # from here on the model runs: its failures stay with this step's requests
-                self._admit(host)
-                packed = self._run_rows(host)
-            except Exception as exc:
-                return self._fail_step(host, exc)
-            # The step's single device-to-host copy (non-blocking on CUDA; a copy either way,
-            # so published data never aliases an engine buffer).
-            packed = packed.to("cpu", non_blocking=True, copy=True)
+            self._admit(host)
+            return self._run_rows(host)
+
+    def finish(self, host: HostStep, packed: torch.Tensor) -> StepOutput:
+        """The step's single device-to-host copy, then frames and finish records from it."""
+        # Non-blocking on CUDA; a copy either way, so published data never aliases an engine buffer.
+        packed = packed.to("cpu", non_blocking=True, copy=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.step_count += 1
@@ -116,57 +151,48 @@ class LockstepEngine:
 
     # -- device pipeline ----------------------------------------------------------------
 
-    def _run_device_stages(self, host: HostStep) -> torch.Tensor:
-        """Every device stage of a staged step, in order, without the fault handling of
-        step(): for harnesses that count, time or graph-capture the device half."""
-        self._apply_events(host)
-        self._admit(host)
-        return self._run_rows(host)
-
     def _apply_events(self, host: HostStep) -> None:
         """Stage 1a: releases, aborts and preemptions, through the transition table."""
         if host.events is not None:
-            self.kernels.apply_host_events(self.table, self._trans, host.events)
+            self.kernels.apply_host_events(self.table, self._lc, host.events)
 
     def _admit(self, host: HostStep) -> None:
         """Stage 1b: admissions (every column re-initialised, the model's slot state cleared)
         and the frames resumed requests replay into their prompt rows."""
-        k, table, trans, model = self.kernels, self.table, self._trans, self.model
+        k, table, lc = self.kernels, self.table, self._lc
         if host.admits is not None:
-            model.reset_slots(host.admits.slots)
-            k.apply_admits(table, trans, host.admits)
+            self._reset_slots(host.admits.slots)
+            k.apply_admits(table, lc, host.admits)
             if host.replay is not None:
-                k.replay_frames(table, host.replay, model.frame_embed, model.text_step)
+                k.replay_frames(table, host.replay, self._frame_embed, self._text_step)
 
     def _run_rows(self, host: HostStep) -> torch.Tensor:
         """Stages 2-5 over the step's rows; returns the packed output (+ a global error row)."""
-        k, table, trans, model = self.kernels, self.table, self._trans, self.model
+        k, table, lc = self.kernels, self.table, self._lc
         batch = host.batch
         width = OUT_CODES + self.spec.num_codebooks
         if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
             packed = torch.zeros(batch.num_rows, width, dtype=torch.int64, device=self.device)
         else:
-            inputs, positions, token_slots = k.compose_inputs(table, batch, model.text_step)
-            hidden = model.forward(inputs, positions, token_slots)
+            inputs, positions, token_slots = k.compose_inputs(table, lc, batch, self._text_step)
+            hidden = self._forward(inputs, positions, token_slots)
             last_hidden = hidden[batch.last_token]
-            logits = model.cb0_logits(last_hidden)
-            cb0 = k.sample_cb0(
-                table, trans, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed
-            )
-            if self.spec.has_mtp:
+            logits = self._cb0_logits(last_hidden)
+            cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
+            if self._mtp is not None:
                 sample, mtp_bad = k.mtp_sampler(table, batch)
-                codes = model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
-                k.mtp_scatter(table, trans, batch, mtp_bad)
+                codes = self._mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
+                k.mtp_scatter(table, lc, batch, mtp_bad)
             else:
                 codes = cb0[:, None]
-            packed = k.publish_frames(table, trans, batch, codes, model.frame_embed(codes))
+            packed = k.publish_frames(table, lc, batch, codes, self._frame_embed(codes))
         # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
         # this step still surfaces in the same copy.
         global_row = torch.zeros(1, width, dtype=torch.int64, device=self.device)
         global_row[0, OUT_ERROR] = table.error[: table.max_slots].amax()
         return torch.cat([packed, global_row])
 
-    def _fail_step(self, host: HostStep, exc: Exception) -> StepOutput:
+    def _fail_step(self, host: HostStep, exc: BaseException) -> StepOutput:
         detail = f"model raised during step {self.step_count}: {exc!r}"
         slots, before, ended = self.ledger.fail_rows(host, detail)
         if slots:
@@ -179,7 +205,7 @@ class LockstepEngine:
                 torch.tensor([[int(Trigger.ABORT), -1]] * len(slots), dtype=torch.int64, device=self.device),
                 torch.full((len(slots),), int(FinishReason.ERROR), dtype=torch.int32, device=self.device),
             )
-            self.kernels.apply_host_events(self.table, self._trans, events)
+            self.kernels.apply_host_events(self.table, self._lc, events)
         self.step_count += 1
         rows = len(host.row_ids)
         return StepOutput(
@@ -198,7 +224,7 @@ class LockstepEngine:
     def _build_output(self, host: HostStep, packed_np: np.ndarray, packed: torch.Tensor) -> StepOutput:
         if packed_np[-1, OUT_ERROR] or packed_np[:-1, OUT_ERROR][~host.padding_np].any():
             bad = np.flatnonzero(self.table.error[: self.table.max_slots].cpu().numpy())
-            owners = {r.slot: r.request_id for r in self.ledger.records.values() if r.slot is not None}
+            owners = {r.slot: rid for rid, r in self.ledger.all_records() if r.slot is not None}
             raise EngineInvariantError(
                 "sticky error bits set on slots "
                 + ", ".join(f"{s} (owner {owners.get(s)!r}, bits {int(self.table.error[s])})" for s in bad)
@@ -217,7 +243,7 @@ class LockstepEngine:
         row_output = RowOutput(
             request_ids=host.row_ids,
             query_start_loc=host.batch.query_start_loc.cpu(),
-            valid=torch.from_numpy(rows_np[:, 0] == 1),
+            valid=torch.from_numpy(rows_np[:, OUT_VALID] == 1),
             codes=codes,
         )
         return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens)

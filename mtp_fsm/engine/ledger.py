@@ -13,9 +13,8 @@ import torch
 from ..errors import (
     AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
 )
-from ..kernels.contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
-from ..kernels.reference import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID
-from ..lifecycle import LIVE_STATES, TERMINAL_STATES, FinishReason, Oracle, State, Trigger
+from ..kernels.contract import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents, StepBatch
+from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CompiledLifecycle, FinishReason, Oracle, State, Trigger
 from ..model_api import PreparedPrompt, TalkerModel
 from ..sampling.topp import MAX_VOCAB_FIXED
 from ..slots import SlotAllocator, SlotTable
@@ -44,8 +43,13 @@ class Ledger:
     """Host truth about requests (records, slot ownership) and the per-slot mirror of the
     device, refreshed from each step's single output copy."""
 
-    def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle) -> None:
-        self.model, self.table, self.oracle = model, table, oracle
+    def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle, compiled: CompiledLifecycle) -> None:
+        self.model, self.table, self.oracle, self.compiled = model, table, oracle, compiled
+        self.live_states = compiled.states_in(CLASS_LIVE)
+        self.terminal_states = compiled.states_in(CLASS_TERMINAL)
+        self._live_codes = np.array(sorted(int(s) for s in self.live_states))
+        self._terminal_codes = np.array(sorted(int(s) for s in self.terminal_states))
+        self._dest = compiled.rules[0].numpy()  # RULE_DEST plane: [trigger, state] -> state
         self.spec = model.spec
         self.allocator = SlotAllocator(table.max_slots)
         self.records: dict[str, RequestRecord] = {}
@@ -66,13 +70,18 @@ class Ledger:
             record.finish_reason = FinishReason(int(self.slot_reason[record.slot]))
         return record
 
-    # -- validation (no mutation) -------------------------------------------------------
-
-    def _known(self, request_id: str, what: str) -> RequestRecord:
+    def record(self, request_id: str, what: str) -> RequestRecord:
+        """The synced record of a known request; UnknownRequestError saying what was attempted."""
         record = self.records.get(request_id)
         if record is None:
             raise UnknownRequestError(request_id, what)
         return self.sync(record)
+
+    def all_records(self):
+        """(request id, synced record) for every request the engine holds."""
+        return ((rid, self.sync(r)) for rid, r in self.records.items())
+
+    # -- validation (no mutation) -------------------------------------------------------
 
     def _check_host_trigger(self, record: RequestRecord, trigger: Trigger) -> None:
         if not self.oracle.may(record.fsm, trigger):
@@ -128,20 +137,20 @@ class Ledger:
         freed = 0
         for rid in plan.releases:
             once(rid, "release")
-            self._check_host_trigger(self._known(rid, "release"), Trigger.RELEASE)
+            self._check_host_trigger(self.record(rid, "release"), Trigger.RELEASE)
             freed += 1
         for rid in plan.aborts:
             once(rid, "abort")
-            record = self._known(rid, "abort")
+            record = self.record(rid, "abort")
             self._check_host_trigger(record, Trigger.ABORT)
             freed += record.slot is not None
         for rid in plan.preempts:
             once(rid, "preempt")
-            self._check_host_trigger(self._known(rid, "preempt"), Trigger.PREEMPT)
+            self._check_host_trigger(self.record(rid, "preempt"), Trigger.PREEMPT)
             freed += 1
         for rid in plan.resumes:
             once(rid, "resume")
-            self._check_host_trigger(self._known(rid, "resume"), Trigger.RESUME)
+            self._check_host_trigger(self.record(rid, "resume"), Trigger.RESUME)
         prepared = {}
         for req in plan.new_requests:
             if req.request_id in self.records or req.request_id in prepared:
@@ -189,7 +198,7 @@ class Ledger:
             tokens = np.fromiter((spans[i].num_tokens for i in simple), np.int64, len(simple))
             remaining = np.fromiter((records[i].prompt_len - records[i].num_computed for i in simple), np.int64, len(simple))
             state = self.slot_state[slots]
-            live, terminal = np.isin(state, _LIVE_CODES), np.isin(state, _TERMINAL_CODES)
+            live, terminal = np.isin(state, self._live_codes), np.isin(state, self._terminal_codes)
             wrong = (tokens < 1) | (~live & ~terminal)
             wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != 1)
             bad.update(simple[i] for i in np.flatnonzero(wrong))
@@ -213,22 +222,22 @@ class Ledger:
             raise PlanError(rid, None, "scheduled in two rows of one step")
         seen.add(rid)
         if rid in prepared:  # admitted by this very plan
-            state, remaining = State.WAITING, int(prepared[rid].prompt_embeds.shape[0])
+            state, remaining = State(self._dest[Trigger.ADMIT, State.FREE]), int(prepared[rid].prompt_embeds.shape[0])
         elif record is None:
             raise PlanError(rid, None, "scheduled but never admitted")
-        elif rid in gone or (record.slot is None and record.state is State.PREEMPTED and rid not in self._resuming):
+        elif rid in gone or (record.slot is None and rid not in self._resuming):
             raise PlanError(rid, record.state.label, "scheduled but it holds no slot in this step")
         else:
-            state = State.WAITING if rid in self._resuming else record.state
+            state = State(self._dest[Trigger.RESUME, record.state]) if rid in self._resuming else record.state
             remaining = self.resume_prompt_len(record) if rid in self._resuming else record.prompt_len - record.num_computed
         if not isinstance(span.num_tokens, int) or span.num_tokens < 1:
             raise PlanError(rid, state.label, f"a span needs >= 1 token, got {span.num_tokens!r}")
-        if state in LIVE_STATES:
+        if state in self.live_states:
             if remaining > 0 and span.num_tokens > remaining:
                 raise PlanError(rid, state.label, f"span of {span.num_tokens} tokens exceeds the {remaining} prompt tokens left")
             if remaining <= 0 and span.num_tokens != 1:
                 raise PlanError(rid, state.label, f"a decode row takes exactly 1 token, got {span.num_tokens}")
-        elif state not in TERMINAL_STATES:  # terminal rows are legal overruns; nothing else is
+        elif state not in self.terminal_states:  # terminal rows are legal overruns; nothing else is
             raise PlanError(rid, state.label, "cannot be scheduled in this state")
 
     def resume_prompt_len(self, record: RequestRecord) -> int:
@@ -284,12 +293,16 @@ class Ledger:
             self.oracle.fire(record.fsm, Trigger.ADMIT)
             self.records[req.request_id] = record
             admitted.append(record)
-        for slot in ev_slots:
-            self.slot_state[slot], self.slot_reason[slot] = int(State.FREE), 0
+        for slot, triggers in zip(ev_slots, ev_triggers):  # the device applies the same chains
+            for trigger in triggers:
+                if trigger >= 0:
+                    self.slot_state[slot] = self._dest[trigger, self.slot_state[slot]]
+            self.slot_reason[slot] = 0
         for record in admitted:
             record.slot = self.allocator.allocate()
             record.serial, self._next_serial = self._next_serial, self._next_serial + 1
-            self.slot_state[record.slot], self.slot_reason[record.slot] = int(State.WAITING), 0
+            self.slot_state[record.slot] = self._dest[Trigger.ADMIT, self.slot_state[record.slot]]
+            self.slot_reason[record.slot] = 0
             self.slot_frames[record.slot] = record.num_frames
         events = None
         if ev_slots:
@@ -299,7 +312,7 @@ class Ledger:
                 torch.tensor(ev_triggers, dtype=torch.int64).to(device),
                 torch.tensor(ev_reasons, dtype=torch.int32).to(device),
             )
-        admits, replay = stage_admits(self.table, self.spec, admitted)
+        admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT))
         batch, row_records, slots_np = self._stage_rows(plan.rows)
         row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
         return HostStep(
@@ -310,7 +323,7 @@ class Ledger:
         records = [None if s is None else self.records[s.request_id] for s in rows]
         counts = [0 if s is None else s.num_tokens for s in rows]
         batch, slots = build_batch(self.table, records, counts)
-        live_now = np.isin(self.slot_state[slots], _LIVE_CODES)
+        live_now = np.isin(self.slot_state[slots], self._live_codes)
         for record, n, is_live in zip(records, counts, live_now.tolist()):
             if record is not None and is_live:
                 record.num_computed += n
@@ -329,11 +342,11 @@ class Ledger:
         if not real.any():
             return np.zeros(0, dtype=np.int64), ended
         slots = host.slots_np[real]
-        was_terminal = np.isin(self.slot_state[slots], _TERMINAL_CODES)
+        was_terminal = np.isin(self.slot_state[slots], self._terminal_codes)
         self.slot_state[slots] = packed[real, OUT_STATE]
         self.slot_frames[slots] = packed[real, OUT_NUM_FRAMES]
         self.slot_reason[slots] = packed[real, OUT_REASON]
-        now_terminal = np.isin(packed[:, OUT_STATE], _TERMINAL_CODES) & real
+        now_terminal = np.isin(packed[:, OUT_STATE], self._terminal_codes) & real
         newly = np.flatnonzero(now_terminal & ~_scatter(real, was_terminal))
         for row in newly:
             record = self.sync(host.row_records[row])
@@ -355,11 +368,11 @@ class Ledger:
             if record.slot is None:
                 continue
             self.sync(record)
-            if record.state in TERMINAL_STATES:
+            if record.state in self.terminal_states:
                 continue
             before.append(int(record.state))
-            self.oracle.fire(record.fsm, Trigger.ABORT)
-            self.slot_state[record.slot], self.slot_reason[record.slot] = int(State.ABORTED), int(FinishReason.ERROR)
+            self.slot_state[record.slot] = int(self.oracle.fire(record.fsm, Trigger.ABORT))
+            self.slot_reason[record.slot] = int(FinishReason.ERROR)
             slots.append(record.slot)
             ended.append(FinishedRequest(record.request_id, FinishReason.ERROR, record.num_frames, detail))
         return slots, before, ended
@@ -372,5 +385,3 @@ def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 _LABELS = [s.label for s in State]
-_TERMINAL_CODES = np.array([int(s) for s in TERMINAL_STATES])
-_LIVE_CODES = np.array([int(s) for s in LIVE_STATES])

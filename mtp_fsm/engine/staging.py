@@ -11,7 +11,7 @@ from ..slots import SlotTable
 from .records import RequestRecord
 
 
-def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord]):
+def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord], trigger: int):
     """Values every admitted row is initialised with, and the frames resumed rows replay."""
     if not admitted:
         return None, None
@@ -63,7 +63,7 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
         )
         for r, _ in replays:
             r.replay_codes = None
-    return StagedAdmits(slots, staged), replay
+    return StagedAdmits(slots, staged, trigger), replay
 
 
 def build_batch(table: SlotTable, records: list[RequestRecord | None], counts: list[int]) -> tuple[StepBatch, np.ndarray]:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import torch
+
+# The model's text step, as the stages call it: (model columns, slots, frame index) -> [B, H].
+TextStep = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Layout of the packed per-row output every backend writes (one device-to-host copy per step).
+OUT_VALID, OUT_FRAME_INDEX, OUT_STATE, OUT_REASON, OUT_ERROR, OUT_NUM_FRAMES, OUT_CODES = range(7)
 
 
 @attrs.frozen
@@ -17,10 +25,12 @@ class StagedEvents:
 
 @attrs.frozen
 class StagedAdmits:
-    """Rows to (re)initialise: every column reset, then the given leading slices written."""
+    """Rows to (re)initialise: every column reset, then the given leading slices written,
+    and `trigger` (the host's admission trigger, read from the table) fired on each row."""
 
     slots: torch.Tensor  # int64 [A]
     values: dict[str, torch.Tensor]  # column name -> [A, ...] (leading slice of the column)
+    trigger: int
 
 
 @attrs.frozen

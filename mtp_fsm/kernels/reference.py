@@ -1,44 +1,71 @@
-"""Torch reference kernels: one function per transition stage, guard-masked over all rows.
+"""Torch reference kernels: the CPU path and the contract the Triton kernels are tested against.
 
-This is the CPU path and the contract the Triton kernels are tested against. Each stage
-reads the transition table for its state updates (never a hand-written next state),
-applies its guard as a mask over every row (no per-request Python loop) and never reads
-a device value on the host.
+Every lifecycle move is made by `run_phase`, which evaluates the compiled stage chains: each
+stage's predicates as one word per row, then for each trigger of the chain the rule row
+(destination, guard masks, reason, publishes) gathered at the row's state. No stage body
+names a trigger or a state; the data movement of a stage keys on what the rules say
+(state classes, the `publishes` effect), guard masks are applied over every row (no
+per-request Python loop) and no device value is read on the host.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
+import attrs
 import torch
 
-from ..lifecycle import FinishReason, State, Trigger
+from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
+from ..lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES, RULE_REASON
 from ..sampling import frame_key, gumbel_noise_codebooks, sample_tokens
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
-from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
-
-TextStep = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
+from .contract import OUT_CODES, ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 
 # Draw a frame's MTP noise in one pass (fewer, larger ops) up to this many elements.
 BATCHED_NOISE_ELEMENTS = 1 << 17  # measured: larger blocks fall out of cache and lose
 
-# Layout of the packed per-row output (one device-to-host copy per step).
-OUT_VALID, OUT_FRAME_INDEX, OUT_STATE, OUT_REASON, OUT_ERROR, OUT_NUM_FRAMES, OUT_CODES = range(7)
+
+@attrs.frozen
+class PhaseResult:
+    state: torch.Tensor  # new state per row
+    reason: torch.Tensor  # int32 finish reason recorded by a fired edge (0 = none)
+    published: torch.Tensor  # bool: a fired edge emits a frame
+    stuck: torch.Tensor  # bool: a total stage moved nothing, or the row rests in an in-step state
 
 
-def fire(trans: torch.Tensor, trigger: Trigger, state: torch.Tensor, mask: torch.Tensor):
-    """Apply `trigger` to rows in `mask`: (new state, illegal mask). Illegal rows keep state."""
-    dest = trans[int(trigger)][state.long()]
-    illegal = mask & (dest < 0)
-    return torch.where(mask & ~illegal, dest, state), illegal
+def predicate_word(facts: dict[Predicate, torch.Tensor]) -> torch.Tensor:
+    """Pack one phase's predicate masks into an int32 word per row (bit = Predicate value)."""
+    word = None
+    for p, mask in facts.items():
+        bits = mask.to(torch.int32) << int(p)
+        word = bits if word is None else word | bits
+    return word
 
 
-def _is_live(state: torch.Tensor) -> torch.Tensor:
-    return (state == State.WAITING) | (state == State.PREFILLING) | (state == State.DECODING)
+def in_class(lc: DeviceLifecycle, state: torch.Tensor, class_bit: int) -> torch.Tensor:
+    return (lc.state_class[state.long()] & class_bit) != 0
 
 
-def _is_terminal(state: torch.Tensor) -> torch.Tensor:
-    return (state == State.FINISHED) | (state == State.ABORTED)
+def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: torch.Tensor, facts_for) -> PhaseResult:
+    """Every stage of `phase` over every row. facts_for(published_so_far) returns the stage's
+    predicate masks (a stage after a publishing one sees the frame counted)."""
+    reason = torch.zeros_like(state, dtype=torch.int32)
+    published = torch.zeros_like(owned)
+    stuck = torch.zeros_like(owned)
+    for total, triggers in lc.host_chains[phase]:
+        word = predicate_word(facts_for(published))
+        at = state.long()
+        new, fired = state, torch.zeros_like(owned)
+        for trigger in triggers:
+            rule = lc.rules[:, trigger, at]  # [planes, B]
+            must, must_not = rule[RULE_MUST], rule[RULE_MUST_NOT]
+            ok = owned & (rule[RULE_DEST] >= 0) & ((word & must) == must) & ((word & must_not) == 0)
+            new = torch.where(ok, rule[RULE_DEST].to(state.dtype), new)
+            reason = torch.where(ok & (rule[RULE_REASON] != 0), rule[RULE_REASON], reason)
+            published = published | (ok & (rule[RULE_PUBLISHES] != 0))
+            fired = fired | ok
+        if total:
+            stuck = stuck | (owned & ~fired)
+        state = new
+    return PhaseResult(state, reason, published, stuck)
 
 
 def _owned(table: SlotTable, batch: StepBatch) -> torch.Tensor:
@@ -50,26 +77,35 @@ def _flag(table: SlotTable, slots: torch.Tensor, mask: torch.Tensor, bit: int) -
     table.error[slots] = table.error[slots] | torch.where(mask, bit, 0).to(torch.int32)
 
 
-def apply_host_events(table: SlotTable, trans: torch.Tensor, events: StagedEvents) -> None:
+def _record(table: SlotTable, slot: torch.Tensor, result: PhaseResult) -> None:
+    table.state[slot] = result.state
+    table.finish_reason[slot] = torch.where(result.reason != 0, result.reason, table.finish_reason[slot])
+    _flag(table, slot, result.stuck, ERR_ILLEGAL)
+
+
+def apply_host_events(table: SlotTable, lc: DeviceLifecycle, events: StagedEvents) -> None:
     """Stage 1a: abort / preempt / release chains, one pass per chain position."""
     slots = events.slots
     state = table.state[slots]
+    dest_table = lc.rules[RULE_DEST]
     for k in range(events.triggers.shape[1]):
         trig = events.triggers[:, k]
         has = trig >= 0
-        dest = trans[trig.clamp(min=0), state.long()]
+        dest = dest_table[trig.clamp(min=0), state.long()]
         illegal = has & (dest < 0)
         state = torch.where(has & ~illegal, dest, state)
         _flag(table, slots, illegal, ERR_ILLEGAL)
     table.state[slots] = state
     table.finish_reason[slots] = torch.where(events.reasons != 0, events.reasons, table.finish_reason[slots])
-    table.serial[slots] = torch.where(state == State.FREE, 0, table.serial[slots])
+    table.serial[slots] = torch.where(in_class(lc, state, CLASS_VACANT), 0, table.serial[slots])
 
 
-def apply_admits(table: SlotTable, trans: torch.Tensor, admits: StagedAdmits) -> None:
+def apply_admits(table: SlotTable, lc: DeviceLifecycle, admits: StagedAdmits) -> None:
     """Stage 1b: every column of each admitted row re-initialised, then its values written."""
     slots = admits.slots
-    new_state, illegal = fire(trans, Trigger.ADMIT, table.state[slots], torch.ones_like(slots, dtype=torch.bool))
+    dest = lc.rules[RULE_DEST, admits.trigger, table.state[slots].long()]
+    illegal = dest < 0
+    new_state = torch.where(illegal, table.state[slots], dest)
     defaults = table.column_defaults()
     for name, column in table.columns().items():
         if name in ("state", "error"):
@@ -94,22 +130,18 @@ def replay_frames(table: SlotTable, replay: ReplayFrames, frame_embed, text_step
     table.prompt_embeds[replay.slots, replay.positions] = embeds.to(table.prompt_embeds.dtype)
 
 
-def compose_inputs(table: SlotTable, batch: StepBatch, text_step: TextStep):
+def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text_step: TextStep):
     """Stage 2: prefill tokens take their prompt rows; decode rows take frame embed + text step.
 
     Returns (inputs_embeds [T, H], positions [T], token_slots [T]; -1 = inert token).
     """
     slot = batch.idx_mapping
-    state = table.state[slot]
     owned = _owned(table, batch)
-    live = owned & _is_live(state)
+    live = owned & in_class(lc, table.state[slot], CLASS_LIVE)
     computed = table.num_computed[slot]
-    prompt_len = table.prompt_len[slot]
-    prefill = computed < prompt_len
+    prefill = computed < table.prompt_len[slot]
     # Phase comes from num_computed < prompt_len, never from the span length.
-    bad_span = live & torch.where(
-        prefill, computed + batch.num_scheduled > prompt_len, (batch.num_scheduled != 1) | (state != State.DECODING)
-    )
+    bad_span = live & torch.where(prefill, computed + batch.num_scheduled > table.prompt_len[slot], batch.num_scheduled != 1)
     _flag(table, slot, bad_span, ERR_SPAN)
     _flag(table, slot, ~batch.is_padding & ~owned, ERR_IDENTITY)
     frame_index = (table.num_frames[slot] - 1).clamp(min=0)
@@ -125,46 +157,30 @@ def compose_inputs(table: SlotTable, batch: StepBatch, text_step: TextStep):
 
 def sample_cb0(
     table: SlotTable,
-    trans: torch.Tensor,
+    lc: DeviceLifecycle,
     batch: StepBatch,
     logits: torch.Tensor,
     *,
     eos_token_id: int | None,
     allowed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Stage 4: counters, CB0 sampling with the EOS guard, and the state update, fused.
-
-    Non-final prefill chunks fire `prefill`; final chunks and decode rows fire `sample`
-    (then `eos` when CB0 is the codec EOS); a non-finite row aborts with reason error; a
-    terminal row scheduled again fires `overrun` and is otherwise inert.
-    """
+    """Stage 4: counters, CB0 sampling and the sample-phase stages (intake, EOS), fused."""
     slot = batch.idx_mapping
     state = table.state[slot]
     owned = _owned(table, batch)
-    live = owned & _is_live(state)
+    live = owned & in_class(lc, state, CLASS_LIVE)
     computed = table.num_computed[slot] + torch.where(live, batch.num_scheduled, 0)
-    kept = live & (computed >= table.prompt_len[slot])
     tokens, bad = sample_tokens(
         logits, table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot],
         table.seed[slot], table.num_frames[slot], 0, allowed=allowed, apply_filters=batch.cb0_filters,
         top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p,
     )
-    ok = kept & ~bad
-    new, ill_prefill = fire(trans, Trigger.PREFILL, state, live & ~kept)
-    sampled, ill_sample = fire(trans, Trigger.SAMPLE, state, ok)
-    new = torch.where(ok, sampled, new)
-    eos = ok & (tokens == eos_token_id) if eos_token_id is not None else torch.zeros_like(ok)
-    new, ill_eos = fire(trans, Trigger.EOS, new, eos)
-    new, ill_abort = fire(trans, Trigger.ABORT, new, kept & bad)
-    new, ill_overrun = fire(trans, Trigger.OVERRUN, new, owned & _is_terminal(state) & (batch.num_scheduled > 0))
-    reason = table.finish_reason[slot]
-    reason = torch.where(eos, int(FinishReason.EOS), reason)
-    reason = torch.where(kept & bad, int(FinishReason.ERROR), reason).to(torch.int32)
+    eos = tokens == eos_token_id if eos_token_id is not None else torch.zeros_like(bad)
+    facts = {Predicate.PROMPT_DONE: computed >= table.prompt_len[slot], Predicate.CB0_NONFINITE: bad,
+             Predicate.EOS_SAMPLED: eos}
+    result = run_phase(lc, Phase.SAMPLE, state, owned, lambda _: facts)
     table.num_computed[slot] = computed
-    table.state[slot] = new
-    table.finish_reason[slot] = reason
-    table.last_cb0[slot] = torch.where(ok, tokens, table.last_cb0[slot])
-    _flag(table, slot, ill_prefill | ill_sample | ill_eos | ill_abort | ill_overrun, ERR_ILLEGAL)
+    _record(table, slot, result)
     return tokens
 
 
@@ -199,43 +215,41 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     return sample, bad
 
 
-def mtp_scatter(table: SlotTable, trans: torch.Tensor, batch: StepBatch, mtp_bad: torch.Tensor) -> None:
-    """Stage 5: rows whose CB0 was kept get their frame (`mtp`) or abort on a bad MTP row."""
+def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_bad: torch.Tensor) -> None:
+    """Stage 5: the MTP-phase stages (frame complete, or an error on non-finite MTP logits)."""
     slot = batch.idx_mapping
-    state = table.state[slot]
-    sampled = _owned(table, batch) & (state == State.SAMPLED)
-    new, ill_mtp = fire(trans, Trigger.MTP, state, sampled & ~mtp_bad)
-    new, ill_abort = fire(trans, Trigger.ABORT, new, sampled & mtp_bad)
-    table.state[slot] = new
-    table.finish_reason[slot] = torch.where(sampled & mtp_bad, int(FinishReason.ERROR), table.finish_reason[slot]).to(
-        torch.int32
-    )
-    _flag(table, slot, ill_mtp | ill_abort, ERR_ILLEGAL)
+    facts = {Predicate.MTP_NONFINITE: mtp_bad}
+    _record(table, slot, run_phase(lc, Phase.MTP, table.state[slot], _owned(table, batch), lambda _: facts))
 
 
 def publish_frames(
-    table: SlotTable, trans: torch.Tensor, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor
+    table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor
 ) -> torch.Tensor:
-    """Stage 5b: frame cache, counters, publication into the packed output, length check.
+    """Stage 5b: the publish-phase stages; frame cache, counters and the packed output for
+    rows whose fired edge publishes.
 
     Returns the packed per-row output [B, OUT_CODES + Q] (int64) for the single copy.
     """
     slot = batch.idx_mapping
-    state = table.state[slot]
-    ready = _owned(table, batch) & (state == State.FRAME_READY)
+    owned = _owned(table, batch)
     frame_index = table.num_frames[slot]
+    computed, max_frames = table.num_computed[slot], table.max_frames[slot]
+
+    def facts(published: torch.Tensor) -> dict:
+        frames = frame_index + published.long()
+        return {Predicate.LENGTH_REACHED: (frames >= max_frames) | (computed >= table.max_context)}
+
+    result = run_phase(lc, Phase.PUBLISH, table.state[slot], owned, facts)
+    # Whatever the stages did, no row may rest in a state that exists only inside a step.
+    result = attrs.evolve(result, stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
+    ready = result.published
     num_frames = frame_index + ready.long()
-    new, ill_publish = fire(trans, Trigger.PUBLISH, state, ready)
-    # The next input would sit at position num_computed: stop when it no longer fits.
-    length = ready & ((num_frames >= table.max_frames[slot]) | (table.num_computed[slot] >= table.max_context))
-    new, ill_length = fire(trans, Trigger.FINISH_LENGTH, new, length)
     table.frame_codes[slot] = torch.where(ready[:, None], codes, table.frame_codes[slot])
     log_at = frame_index.clamp(max=table.max_context - 1)
     table.frame_log[slot, log_at] = torch.where(ready[:, None], codes, table.frame_log[slot, log_at])
     table.frame_embed[slot] = torch.where(ready[:, None], frame_embeds.to(table.frame_embed.dtype), table.frame_embed[slot])
     table.num_frames[slot] = num_frames
-    table.state[slot] = new
-    table.finish_reason[slot] = torch.where(length, int(FinishReason.LENGTH), table.finish_reason[slot]).to(torch.int32)
-    _flag(table, slot, ill_publish | ill_length, ERR_ILLEGAL)
-    columns = [ready.long(), frame_index, new.long(), table.finish_reason[slot].long(), table.error[slot].long(), num_frames]
+    _record(table, slot, result)
+    columns = [ready.long(), frame_index, result.state.long(), table.finish_reason[slot].long(),
+               table.error[slot].long(), num_frames]
     return torch.cat([torch.stack(columns, dim=1), torch.where(ready[:, None], codes, 0)], dim=1)

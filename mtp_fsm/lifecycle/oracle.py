@@ -8,13 +8,17 @@ from typing import Iterable
 from transitions import Machine, MachineError
 
 from ..errors import LifecycleError
-from .spec import LifecycleSpec, State, Trigger
+from .predicates import PREDICATE_PHASE, Phase, Predicate
+from .spec import LifecycleSpec, Stage, State, Trigger
+
+_PREDICATE_SLOTS = tuple(p.label for p in Predicate)
 
 
 class RequestFSM:
-    """A light model object for the static machine: only a state and the request id."""
+    """A light model object for the static machine: a state, the request id, and this
+    stage's predicate values (read by `transitions` as the edges' conditions)."""
 
-    __slots__ = ("state", "request_id")
+    __slots__ = ("state", "request_id", *_PREDICATE_SLOTS)
 
     def __init__(self, request_id: str, state: State = State.FREE) -> None:
         self.request_id = request_id
@@ -23,6 +27,15 @@ class RequestFSM:
     @property
     def code(self) -> State:
         return State[self.state.upper()]
+
+    def observe(self, facts: dict[Predicate, bool]) -> None:
+        """Set the predicates of one stage; the others become unreadable (a guard that
+        reads a predicate its stage does not know fails loudly, never silently False)."""
+        for name in _PREDICATE_SLOTS:
+            if hasattr(self, name):
+                delattr(self, name)
+        for p, value in facts.items():
+            setattr(self, p.label, bool(value))
 
 
 class Oracle:
@@ -42,16 +55,16 @@ class Oracle:
         return RequestFSM(request_id)
 
     def fire(self, fsm: RequestFSM, trigger: Trigger) -> State:
+        """Fire a host trigger (no guard); raises LifecycleError naming the request if illegal."""
         source = fsm.code
-        event = self.machine.events.get(trigger.label)
-        # A state outside this variant (e.g. `sampled` without MTP) is as illegal as a
-        # missing edge; transitions would raise a bare ValueError for it.
-        if event is None or fsm.state not in event.transitions:
+        if not self.may(fsm, trigger):
             raise LifecycleError(fsm.request_id, source, trigger)
         try:
-            event.trigger(fsm)
+            done = self.machine.events[trigger.label].trigger(fsm)
         except MachineError:
             raise LifecycleError(fsm.request_id, source, trigger) from None
+        if not done:
+            raise LifecycleError(fsm.request_id, source, trigger, "its guard does not hold")
         self.fired[(trigger, source)] += 1
         return fsm.code
 
@@ -61,5 +74,39 @@ class Oracle:
         return fsm.code
 
     def may(self, fsm: RequestFSM, trigger: Trigger) -> bool:
+        # A state outside this variant (e.g. `sampled` without MTP) is as illegal as a missing edge.
         event = self.machine.events.get(trigger.label)
         return event is not None and fsm.state in event.transitions
+
+    def run_stage(self, fsm: RequestFSM, stage: Stage, facts: dict[Predicate, bool]) -> Trigger | None:
+        """Try the stage's triggers in order through `transitions` (which evaluates each
+        edge's conditions on `facts`); return the one that fired, or None.
+
+        A total stage that moves nothing is a spec bug the compiler should have refused;
+        it raises here too, naming the request.
+        """
+        missing = [p.label for p in Predicate if PREDICATE_PHASE[p] is stage.phase and p not in facts]
+        if missing:
+            raise ValueError(f"stage {stage.name!r} of request {fsm.request_id!r} needs predicates {missing}")
+        fsm.observe(facts)
+        source = fsm.code
+        try:
+            for trigger in stage.triggers:
+                if self.may(fsm, trigger) and self.machine.events[trigger.label].trigger(fsm):
+                    self.fired[(trigger, source)] += 1
+                    return trigger
+        finally:
+            fsm.observe({})
+        if stage.total:
+            raise LifecycleError(fsm.request_id, source, stage.name, f"total stage moved nothing with {facts}")
+        return None
+
+    def run_phase(self, fsm: RequestFSM, phase: Phase, facts_for) -> list[Trigger]:
+        """Every stage of `phase` in order; facts_for(stage, fired_so_far) gives each stage's
+        predicates (they may depend on what fired before, e.g. a frame count after publish)."""
+        fired: list[Trigger] = []
+        for stage in self.spec.stages_of(phase):
+            trigger = self.run_stage(fsm, stage, facts_for(stage, fired))
+            if trigger is not None:
+                fired.append(trigger)
+        return fired

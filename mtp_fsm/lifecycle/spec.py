@@ -1,12 +1,13 @@
-"""The lifecycle declared once as a `transitions` machine: states, triggers, variants."""
+"""The lifecycle declaration types: states, triggers, guarded transitions, stages, state classes."""
 
 from __future__ import annotations
 
 import enum
-from typing import Iterable
 
 import attrs
 from transitions import Machine
+
+from .predicates import Guard, Phase
 
 
 class State(enum.IntEnum):
@@ -28,7 +29,7 @@ class State(enum.IntEnum):
 
 
 class Trigger(enum.IntEnum):
-    """Every trigger of the lifecycle; codes index the compiled transition table."""
+    """Every trigger of the lifecycle; codes index the compiled tables."""
 
     ADMIT = 0
     PREFILL = 1  # a non-final prefill chunk was computed
@@ -40,8 +41,10 @@ class Trigger(enum.IntEnum):
     OVERRUN = 7  # a terminal row scheduled once more (async scheduling): publishes nothing
     PREEMPT = 8
     RESUME = 9
-    ABORT = 10
+    ABORT = 10  # host: client cancel, or a model exception ending the step's requests
     RELEASE = 11
+    FAIL = 12  # intake: non-finite CB0 logits end the request with reason error
+    MTP_FAIL = 13  # MTP stage: non-finite MTP logits end the request with reason error
 
     @property
     def label(self) -> str:
@@ -52,7 +55,6 @@ class FinishReason(enum.IntEnum):
     NONE = 0
     EOS = 1
     LENGTH = 2
-    STOP = 3
     ABORT = 4
     ERROR = 5
 
@@ -61,30 +63,58 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
-# Triggers the host fires between steps; everything else fires inside the step kernels.
-HOST_TRIGGERS = frozenset({Trigger.ADMIT, Trigger.PREEMPT, Trigger.RESUME, Trigger.ABORT, Trigger.RELEASE})
-TERMINAL_STATES = frozenset({State.FINISHED, State.ABORTED})
-LIVE_STATES = frozenset({State.WAITING, State.PREFILLING, State.DECODING})
-# States a row may rest in between steps; SAMPLED and FRAME_READY exist only inside a step.
-RESTING_STATES = frozenset(State) - {State.SAMPLED, State.FRAME_READY}
-
-_S, _T = State, Trigger
-
-
 @attrs.frozen
 class Transition:
+    """An edge (or one edge per source). `guard` is None for host triggers, which the host
+    decides; every in-step edge carries a guard (`ALWAYS` when unconditional). `reason` is
+    the finish reason the edge records; `publishes` marks the edge that emits a frame."""
+
     trigger: Trigger
     sources: tuple[State, ...]
     dest: State
+    guard: Guard | None = None
+    reason: FinishReason = FinishReason.NONE
+    publishes: bool = False
+
+
+@attrs.frozen
+class Stage:
+    """One link of the device pipeline: the triggers it may fire, tried in order; at most
+    one fires per row (the compiler proves their guards exclusive). A `total` stage must
+    move every row it sees (the compiler proves its guards cover every case)."""
+
+    name: str
+    phase: Phase
+    triggers: tuple[Trigger, ...]
+    total: bool = False
+
+
+@attrs.frozen
+class StateClasses:
+    """Named sets of states the host and the kernels reason with (never a list of names
+    restated in code): `live` rows compute tokens, `terminal` rows only overrun, `in_step`
+    states exist only inside a step, `vacant` rows have no owner."""
+
+    live: frozenset[State]
+    terminal: frozenset[State]
+    in_step: frozenset[State]
+    vacant: frozenset[State]
+
+    def resting(self, states) -> frozenset[State]:
+        return frozenset(states) - self.in_step
 
 
 @attrs.frozen
 class LifecycleSpec:
-    """One lifecycle variant: its transitions and the `transitions` machine built from them."""
+    """One lifecycle variant: guarded transitions, the stage chains, the state classes,
+    and the `transitions` machine built from them (the single source of truth)."""
 
     name: str
     title: str
     transitions: tuple[Transition, ...]
+    stages: tuple[Stage, ...]
+    classes: StateClasses
+    host_triggers: frozenset[Trigger]
 
     @property
     def states(self) -> tuple[State, ...]:
@@ -96,72 +126,35 @@ class LifecycleSpec:
         used = {t.trigger for t in self.transitions}
         return tuple(t for t in Trigger if t in used)
 
+    def stages_of(self, phase: Phase) -> tuple[Stage, ...]:
+        return tuple(s for s in self.stages if s.phase is phase)
+
     def build_machine(self, machine_cls: type[Machine] = Machine, model=None, **kwargs) -> Machine:
-        """The single source of truth: a static machine (model=None) over these transitions.
+        """A static machine (model=None) over these transitions, guards as conditions.
 
         Diagrams pass a GraphMachine class and a throwaway model (graphs hang off models).
         """
+        edges = []
+        for t in self.transitions:
+            edge = {"trigger": t.trigger.label, "source": [s.label for s in t.sources], "dest": t.dest.label}
+            if t.guard is not None and t.guard.when:
+                edge["conditions"] = list(t.guard.when)
+            if t.guard is not None and t.guard.unless:
+                edge["unless"] = list(t.guard.unless)
+            edges.append(edge)
         return machine_cls(
             model=model,
             states=[s.label for s in self.states],
-            transitions=[
-                {"trigger": t.trigger.label, "source": [s.label for s in t.sources], "dest": t.dest.label}
-                for t in self.transitions
-            ],
+            transitions=edges,
             initial=State.FREE.label,
             auto_transitions=False,
             ignore_invalid_triggers=False,
             **kwargs,
         )
 
-
-def _common(preemptible: Iterable[State]) -> list[Transition]:
-    live = tuple(preemptible)
-    return [
-        Transition(_T.ADMIT, (_S.FREE,), _S.WAITING),
-        Transition(_T.PREFILL, (_S.WAITING, _S.PREFILLING), _S.PREFILLING),
-        Transition(_T.SAMPLE, (_S.WAITING, _S.PREFILLING, _S.DECODING), _S.SAMPLED),
-        Transition(_T.EOS, (_S.SAMPLED,), _S.FINISHED),
-        Transition(_T.PUBLISH, (_S.FRAME_READY,), _S.DECODING),
-        Transition(_T.FINISH_LENGTH, (_S.DECODING,), _S.FINISHED),
-        Transition(_T.OVERRUN, (_S.FINISHED,), _S.FINISHED),
-        Transition(_T.OVERRUN, (_S.ABORTED,), _S.ABORTED),
-        Transition(_T.PREEMPT, live, _S.PREEMPTED),
-        Transition(_T.RESUME, (_S.PREEMPTED,), _S.WAITING),
-        # Also fired inside a step: a row whose CB0 logits are non-finite ends with reason error.
-        Transition(_T.ABORT, (*live, _S.PREEMPTED), _S.ABORTED),
-        # Releasing a preempted row frees its slot; the request itself stays preempted.
-        Transition(_T.RELEASE, (_S.FINISHED, _S.ABORTED, _S.PREEMPTED), _S.FREE),
-    ]
-
-
-def mtp_lifecycle() -> LifecycleSpec:
-    """Generic current-step MTP: CB0 from the backbone, codebooks 1..Q-1 from the MTP hook."""
-    transitions = _common(LIVE_STATES_ORDERED)
-    transitions.insert(4, Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY))
-    # A row whose MTP logits are non-finite ends with reason error in the MTP stage.
-    transitions.append(Transition(_T.ABORT, (_S.SAMPLED,), _S.ABORTED))
-    return LifecycleSpec("mtp", "Current-step MTP talker (Qwen3-TTS, Qwen3-Omni)", tuple(transitions))
-
-
-def single_codebook_lifecycle() -> LifecycleSpec:
-    """No MTP stage: the sampled CB0 is the whole frame (Chatterbox-style)."""
-    transitions = [
-        Transition(_T.SAMPLE, t.sources, _S.FRAME_READY) if t.trigger is _T.SAMPLE else t
-        for t in _common(LIVE_STATES_ORDERED)
-    ]
-    # EOS is decided on the sampled token, which now lands in FRAME_READY directly.
-    transitions = [Transition(_T.EOS, (_S.FRAME_READY,), _S.FINISHED) if t.trigger is _T.EOS else t for t in transitions]
-    return LifecycleSpec("single_codebook", "Single-codebook talker without MTP (Chatterbox)", tuple(transitions))
-
-
-LIVE_STATES_ORDERED = (State.WAITING, State.PREFILLING, State.DECODING)
-
-VARIANTS = {"mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle}
-
-
-def lifecycle_for(name: str) -> LifecycleSpec:
-    try:
-        return VARIANTS[name]()
-    except KeyError:
-        raise ValueError(f"unknown lifecycle variant {name!r}; known: {sorted(VARIANTS)}") from None
+    def transition(self, trigger: Trigger, source: State) -> Transition | None:
+        """The declared edge for (trigger, source), or None."""
+        for t in self.transitions:
+            if t.trigger is trigger and source in t.sources:
+                return t
+        return None

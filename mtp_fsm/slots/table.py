@@ -10,7 +10,7 @@ from ..model_api import ColumnSpec, ModelSpec
 
 # Sticky error bits (the `error` column); any set bit is an engine bug, reported loudly.
 ERR_IDENTITY = 1  # a row's expected request serial does not match the slot's owner
-ERR_ILLEGAL = 2  # a kernel tried a transition the table does not declare
+ERR_ILLEGAL = 2  # a host trigger the table does not declare, or a row no stage could move
 ERR_SPAN = 4  # a prefill span runs past the prompt, or a decode row has no frame
 
 
@@ -36,7 +36,6 @@ class SlotTable:
     num_frames: torch.Tensor  # int64 [R], frames published (= next frame index)
     max_frames: torch.Tensor  # int64 [R], frame budget
     finish_reason: torch.Tensor  # int32 [R], FinishReason codes
-    last_cb0: torch.Tensor  # int64 [R]
     frame_embed: torch.Tensor  # [R, H] embedding sum of the last published frame
     frame_codes: torch.Tensor  # int64 [R, Q] codes of the last published frame
     frame_log: torch.Tensor  # int64 [R, C, Q] codes of every published frame (resume replays them)
@@ -72,7 +71,7 @@ class SlotTable:
         table = cls(
             max_slots=max_slots, max_context=c, num_codebooks=q, hidden_size=h, device=device,
             state=col(dtype=torch.int32), serial=col(), prompt_len=col(), num_computed=col(),
-            num_frames=col(), max_frames=col(), finish_reason=col(dtype=torch.int32), last_cb0=col(),
+            num_frames=col(), max_frames=col(), finish_reason=col(dtype=torch.int32),
             frame_embed=col((h,), spec.dtype), frame_codes=col((q,)), frame_log=col((c, q)), seed=col(),
             cb0_temperature=col(dtype=torch.float32), cb0_top_k=col(), cb0_top_p=col(dtype=torch.float32),
             mtp_temperature=col(dtype=torch.float32), mtp_top_k=col(), mtp_top_p=col(dtype=torch.float32),

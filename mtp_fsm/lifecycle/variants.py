@@ -1,0 +1,100 @@
+"""The declared lifecycle variants: where every trigger leads, when it fires, in which stage."""
+
+from __future__ import annotations
+
+from .predicates import ALWAYS, Guard, Phase
+from .spec import FinishReason, LifecycleSpec, Stage, State, StateClasses, Transition, Trigger
+
+_S, _T = State, Trigger
+_LIVE = (_S.WAITING, _S.PREFILLING, _S.DECODING)
+_IN_PROMPT = (_S.WAITING, _S.PREFILLING)  # rows whose scheduled tokens may still be prompt
+
+HOST_TRIGGERS = frozenset({_T.ADMIT, _T.PREEMPT, _T.RESUME, _T.ABORT, _T.RELEASE})
+
+CLASSES = StateClasses(
+    live=frozenset(_LIVE),
+    terminal=frozenset({_S.FINISHED, _S.ABORTED}),
+    in_step=frozenset({_S.SAMPLED, _S.FRAME_READY}),
+    vacant=frozenset({_S.FREE}),
+)
+
+
+def _host_edges() -> list[Transition]:
+    return [
+        Transition(_T.ADMIT, (_S.FREE,), _S.WAITING),
+        Transition(_T.PREEMPT, _LIVE, _S.PREEMPTED),
+        Transition(_T.RESUME, (_S.PREEMPTED,), _S.WAITING),
+        Transition(_T.ABORT, (*_LIVE, _S.PREEMPTED), _S.ABORTED),
+        # Releasing a preempted row frees its slot; the request itself stays preempted.
+        Transition(_T.RELEASE, (_S.FINISHED, _S.ABORTED, _S.PREEMPTED), _S.FREE),
+    ]
+
+
+def _intake(kept: State) -> list[Transition]:
+    """What a scheduled row does once the backbone ran and CB0 was sampled."""
+    done, bad = "prompt_done", "cb0_nonfinite"
+    return [
+        Transition(_T.PREFILL, _IN_PROMPT, _S.PREFILLING, Guard(unless=(done,))),
+        Transition(_T.SAMPLE, _IN_PROMPT, kept, Guard(when=(done,), unless=(bad,))),
+        Transition(_T.SAMPLE, (_S.DECODING,), kept, Guard(unless=(bad,))),
+        # Non-finite CB0 logits: the sample is never kept and the request ends with an error.
+        Transition(_T.FAIL, _IN_PROMPT, _S.ABORTED, Guard(when=(done, bad)), FinishReason.ERROR),
+        Transition(_T.FAIL, (_S.DECODING,), _S.ABORTED, Guard(when=(bad,)), FinishReason.ERROR),
+        Transition(_T.OVERRUN, (_S.FINISHED,), _S.FINISHED, ALWAYS),
+        Transition(_T.OVERRUN, (_S.ABORTED,), _S.ABORTED, ALWAYS),
+    ]
+
+
+def _publication() -> list[Transition]:
+    return [
+        Transition(_T.PUBLISH, (_S.FRAME_READY,), _S.DECODING, ALWAYS, publishes=True),
+        # The next input would sit at position num_computed: stop when it no longer fits.
+        Transition(_T.FINISH_LENGTH, (_S.DECODING,), _S.FINISHED, Guard(when=("length_reached",)), FinishReason.LENGTH),
+    ]
+
+
+_INTAKE_STAGE = Stage("intake", Phase.SAMPLE, (_T.PREFILL, _T.SAMPLE, _T.FAIL, _T.OVERRUN), total=True)
+_EOS_STAGE = Stage("eos", Phase.SAMPLE, (_T.EOS,))
+_PUBLISH_STAGES = (Stage("publish", Phase.PUBLISH, (_T.PUBLISH,)), Stage("length", Phase.PUBLISH, (_T.FINISH_LENGTH,)))
+
+
+def mtp_lifecycle() -> LifecycleSpec:
+    """Generic current-step MTP: CB0 from the backbone, codebooks 1..Q-1 from the MTP hook."""
+    transitions = [
+        *_host_edges(),
+        *_intake(_S.SAMPLED),
+        Transition(_T.EOS, (_S.SAMPLED,), _S.FINISHED, Guard(when=("eos_sampled",)), FinishReason.EOS),
+        Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY, Guard(unless=("mtp_nonfinite",))),
+        Transition(_T.MTP_FAIL, (_S.SAMPLED,), _S.ABORTED, Guard(when=("mtp_nonfinite",)), FinishReason.ERROR),
+        *_publication(),
+    ]
+    stages = (_INTAKE_STAGE, _EOS_STAGE, Stage("mtp", Phase.MTP, (_T.MTP, _T.MTP_FAIL)), *_PUBLISH_STAGES)
+    return LifecycleSpec(
+        "mtp", "Current-step MTP talker (Qwen3-TTS, Qwen3-Omni)", tuple(transitions), stages, CLASSES, HOST_TRIGGERS
+    )
+
+
+def single_codebook_lifecycle() -> LifecycleSpec:
+    """No MTP stage: the sampled CB0 is the whole frame (Chatterbox-style)."""
+    transitions = [
+        *_host_edges(),
+        *_intake(_S.FRAME_READY),
+        # EOS is decided on the sampled token, which lands in FRAME_READY directly.
+        Transition(_T.EOS, (_S.FRAME_READY,), _S.FINISHED, Guard(when=("eos_sampled",)), FinishReason.EOS),
+        *_publication(),
+    ]
+    stages = (_INTAKE_STAGE, _EOS_STAGE, *_PUBLISH_STAGES)
+    return LifecycleSpec(
+        "single_codebook", "Single-codebook talker without MTP (Chatterbox)", tuple(transitions), stages, CLASSES,
+        HOST_TRIGGERS,
+    )
+
+
+VARIANTS = {"mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle}
+
+
+def lifecycle_for(name: str) -> LifecycleSpec:
+    try:
+        return VARIANTS[name]()
+    except KeyError:
+        raise ValueError(f"unknown lifecycle variant {name!r}; known: {sorted(VARIANTS)}") from None
