@@ -37,7 +37,7 @@ diagrams: install graphviz
 	$(PY) -m mtp_fsm.lifecycle.diagrams --out diagrams --readme README.md
 
 gpu-check: install
-	$(PY) -m mtp_fsm.kernels.gpu_check --require-gpu
+	$(PY) -m mtp_fsm.gpu.gpu_check --require-gpu
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache .hypothesis

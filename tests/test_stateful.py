@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from mtp_fsm.lifecycle import compile_table, lifecycle_for
+from mtp_fsm.lifecycle import compile_lifecycle, lifecycle_for
 from mtp_fsm.testing.alone import torch_threads
 from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycle_test_case, scripted_mtp, scripted_single
 
@@ -75,7 +75,7 @@ def test_every_declared_transition_fires(variant):
     of the same machine before the test gives up."""
     coverage, stats, _ = run_machine(variant)
     coverage, stats = Counter(coverage), Counter(stats)
-    edges = compile_table(lifecycle_for(variant)).edges()
+    edges = compile_lifecycle(lifecycle_for(variant)).edges()
 
     def missing():
         return [f"{t.label} from {s.label}" for t, s, _ in edges if coverage[(t, s)] == 0]

@@ -6,10 +6,13 @@ from typing import Sequence
 
 import attrs
 import torch
-from transitions import Machine
 
 from ..engine import LockstepEngine, NewRequest, Span, StepOutput, StepPlan
-from ..lifecycle import mtp_lifecycle
+from ..lifecycle import (
+    ILLEGAL, FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, compile_lifecycle, length_reached,
+    lifecycle_for, prompt_done,
+)
+from ..lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES, RULE_REASON
 from ..model_api import TalkerModel
 from ..sampling import SamplingParams
 from .rowsample import RowSampler
@@ -76,8 +79,10 @@ class EngineDriver:
 class _PerRequestDriver:
     """The step both naive designs run: model calls batched, everything else per request.
 
-    Subclasses hold per-request state their own way and implement the lifecycle hooks.
-    Sampling is per row (RowSampler), bit-identical to the engine, so frames must match.
+    The lifecycle is the model's spec: per row and phase the step computes the predicates
+    in plain Python and hands them to `run_phase`, which each design evaluates its own way
+    over the spec's stage chains (no trigger or state is named here). Sampling is per row
+    (RowSampler), bit-identical to the engine, so frames must match.
     """
 
     name = "?"
@@ -85,8 +90,13 @@ class _PerRequestDriver:
     def __init__(self, model: TalkerModel, requests: Sequence[BenchRequest]) -> None:
         self.model = model
         self.spec = model.spec
+        self.lifecycle = lifecycle_for(self.spec.lifecycle)
+        self.classes = self.lifecycle.classes
         self.requests = list(requests)
-        model.bind_slots(len(requests), torch.device("cpu"), {})
+        # The model's own slot columns (text keys, ...), as the engine's slot table holds them.
+        n = len(requests)
+        self.columns = {k: torch.full((n + 1, *c.shape), c.fill, dtype=c.dtype) for k, c in model.slot_columns().items()}
+        model.bind_slots(n, torch.device("cpu"), self.columns)
         self.cb0_sampler = RowSampler(self.spec.backbone_vocab_size)
         self.mtp_sampler = RowSampler(self.spec.codebook_size)
         banned = torch.ones(self.spec.backbone_vocab_size, dtype=torch.bool)
@@ -98,30 +108,35 @@ class _PerRequestDriver:
 
     def admit(self) -> list[FrameKey]:
         for slot, req in enumerate(self.requests):
-            self.add(req, slot, self.model.prepare(req.inputs).prompt_embeds)
+            prepared = self.model.prepare(req.inputs)
+            for name, value in prepared.columns.items():  # a shorter leading dim keeps the fill
+                self.columns[name][slot][tuple(map(slice, value.shape))] = value
+            self.add(req, slot, prepared.prompt_embeds)
         return self.step()
 
     def step(self) -> list[FrameKey]:
-        rows = [rid for rid in self.rows if self.schedulable(rid)]
+        rows = [rid for rid in self.rows if self.state_of(rid) in self.classes.live]
         if not rows:
             return []
         # Compose inputs: the remaining prompt for prefill rows, frame embed + text step for decode.
-        inputs, positions, token_slots, last, text_rows = [], [], [], [], []
+        inputs, positions, token_slots, last, text_rows, scheduled = [], [], [], [], [], []
         for rid in rows:
             slot, computed, prompt_len = self.slot(rid), self.computed(rid), self.prompt_len(rid)
             if computed < prompt_len:
                 inputs.append(self.prompt(rid)[computed:])
                 positions.extend(range(computed, prompt_len))
                 token_slots.extend([slot] * (prompt_len - computed))
+                scheduled.append(prompt_len - computed)
             else:
                 text_rows.append((len(inputs), slot, max(self.num_frames(rid) - 1, 0)))
                 inputs.append(self.frame_embed(rid)[None])
                 positions.append(computed)
                 token_slots.append(slot)
+                scheduled.append(1)
             last.append(len(positions) - 1)
         if text_rows:
             at, slots, index = zip(*text_rows)
-            text = self.model.text_step({}, torch.tensor(slots), torch.tensor(index))
+            text = self.model.text_step(self.columns, torch.tensor(slots), torch.tensor(index))
             for j, i in enumerate(at):
                 inputs[i] = inputs[i] + text[j]
         hidden = self.model.forward(torch.cat(inputs), torch.tensor(positions), torch.tensor(token_slots))
@@ -131,76 +146,117 @@ class _PerRequestDriver:
             self.cb0_sampler(logits[i], self.cb0_params(rid), self.seed(rid), self.num_frames(rid), 0, self.cb0_banned)
             for i, rid in enumerate(rows)
         ])
-        cb0_list = cb0.tolist()  # the host needs each CB0 for its EOS check
-        for rid, token, pos in zip(rows, cb0_list, last):
-            self.set_computed(rid, positions[pos] + 1)
-            if token == self.spec.eos_token_id:
-                self.on_eos(rid)
-            else:
-                self.on_sample(rid, token)
+        # The host needs each row's CB0 (EOS) and logits health: one copy of each.
+        cb0_list, cb0_bad = cb0.tolist(), (~torch.isfinite(logits).all(-1)).tolist()
+        eos = self.spec.eos_token_id
+        for rid, token, bad, n in zip(rows, cb0_list, cb0_bad, scheduled):
+            computed = self.computed(rid)
+            self.set_computed(rid, computed + n)
+            facts = {Predicate.PROMPT_DONE: prompt_done(computed, n, self.prompt_len(rid)),
+                     Predicate.CB0_NONFINITE: bad, Predicate.EOS_SAMPLED: token == eos}
+            self.run_phase(rid, Phase.SAMPLE, lambda _: facts)
 
-        def sample(mtp_logits: torch.Tensor, codebook: int) -> torch.Tensor:
-            return torch.stack([
-                self.mtp_sampler(mtp_logits[i], self.mtp_params(rid), self.seed(rid), self.num_frames(rid), codebook)
-                for i, rid in enumerate(rows)
-            ])
+        if self.spec.has_mtp:
+            mtp_bad = torch.zeros(len(rows), dtype=torch.bool)
 
-        codes = self.model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
+            def sample(mtp_logits: torch.Tensor, codebook: int) -> torch.Tensor:
+                mtp_bad.logical_or_(~torch.isfinite(mtp_logits).all(-1))
+                return torch.stack([
+                    self.mtp_sampler(mtp_logits[i], self.mtp_params(rid), self.seed(rid), self.num_frames(rid), codebook)
+                    for i, rid in enumerate(rows)
+                ])
+
+            codes = self.model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
+            for rid, bad in zip(rows, mtp_bad.tolist()):
+                self.run_phase(rid, Phase.MTP, lambda _: {Predicate.MTP_NONFINITE: bad})
+        else:
+            codes = cb0[:, None]  # single codebook: CB0 is the whole frame, no MTP stages
         embeds = self.model.frame_embed(codes)
         codes_list = codes.tolist()
         published = []
         for i, rid in enumerate(rows):
-            if self.sampled(rid):
-                index = self.num_frames(rid)
-                self.on_mtp(rid)
-                self.on_publish(rid, embeds[i])
+            index, limit, computed = self.num_frames(rid), self.max_frames(rid), self.computed(rid)
+
+            def facts(frames: int) -> dict:  # a stage after a publishing edge sees the frame counted
+                return {Predicate.LENGTH_REACHED: length_reached(index + frames, limit, computed, self.spec.max_context)}
+
+            if self.run_phase(rid, Phase.PUBLISH, facts):
+                self.on_frame(rid, embeds[i])
                 published.append((rid, index, tuple(codes_list[i])))
+            if self.state_of(rid) in self.classes.in_step:
+                raise RuntimeError(f"request {rid!r} ends the step in in-step state {self.state_of(rid).label!r}")
         return published
 
     @staticmethod
     def frames(out: list[FrameKey]) -> list[FrameKey]:
         return out
 
-    def done(self, rid: str) -> bool:
-        return self.num_frames(rid) >= self.max_frames(rid) or self.computed(rid) >= self.spec.max_context
 
-
-# -- (2) one transitions.Machine per request --------------------------------------------
+# -- (2) the lifecycle's transitions machine, one light model object per request ---------
 
 
 class MachineRequest:
-    """The model object of a per-request `transitions.Machine` (the library's obvious use)."""
+    """A request's bookkeeping next to its `RequestFSM` (the static machine's model)."""
 
-    def __init__(self, req: BenchRequest, slot: int, prompt: torch.Tensor) -> None:
-        self.req, self.slot, self.prompt = req, slot, prompt
+    __slots__ = ("req", "slot", "prompt", "prompt_len", "num_computed", "num_frames", "frame_embed", "fsm",
+                 "finish_reason")
+
+    def __init__(self, req: BenchRequest, slot: int, prompt: torch.Tensor, fsm: RequestFSM) -> None:
+        self.req, self.slot, self.prompt, self.fsm = req, slot, prompt, fsm
         self.prompt_len, self.num_computed, self.num_frames = int(prompt.shape[0]), 0, 0
-        self.last_cb0, self.frame_embed, self.finish_reason = -1, None, None
+        self.frame_embed, self.finish_reason = None, FinishReason.NONE
 
 
 class TransitionsDriver(_PerRequestDriver):
-    """`Machine(model=req, ...)` per request, built from `mtp_lifecycle()`; triggers fired per
-    request per step (sample, eos or mtp, publish, finish_length)."""
+    """One static `transitions` machine (the Oracle over the model's lifecycle) and a
+    `RequestFSM` per request; each phase's stages fire through `Oracle.run_phase`, which
+    lets `transitions` evaluate the guards on the row's predicates."""
 
     name = "transitions"
 
     def __init__(self, model: TalkerModel, requests: Sequence[BenchRequest]) -> None:
         super().__init__(model, requests)
-        spec = mtp_lifecycle()
-        self._states = [s.label for s in spec.states]
-        self._transitions = [
-            {"trigger": t.trigger.label, "source": [s.label for s in t.sources], "dest": t.dest.label}
-            for t in spec.transitions
-        ]
+        self.oracle = Oracle(self.lifecycle)
+        # (trigger, source) -> the declared edge: its reason and whether it publishes.
+        self._edges = {(t.trigger, s): t for t in self.lifecycle.transitions for s in t.sources}
         self.reqs: dict[str, MachineRequest] = {}
 
     def add(self, req: BenchRequest, slot: int, prompt: torch.Tensor) -> None:
-        obj = MachineRequest(req, slot, prompt)
-        Machine(model=obj, states=self._states, transitions=self._transitions, initial="free")
-        obj.admit()
+        obj = MachineRequest(req, slot, prompt, self.oracle.new(req.request_id))
+        self.oracle.fire(obj.fsm, Trigger.ADMIT)  # a host trigger, fired where the host decides it
         self.reqs[req.request_id] = obj
 
-    def schedulable(self, rid):
-        return self.reqs[rid].state in ("waiting", "prefilling", "decoding")
+    def run_phase(self, rid: str, phase: Phase, facts) -> int:
+        """Run the phase's stages; record the fired edges' reasons; -> frames published."""
+        obj = self.reqs[rid]
+        edges, source = [], [obj.fsm.code]
+
+        def catch_up(fired: list) -> None:
+            # A stage that fired appended its trigger; its edge leaves the state before it.
+            if len(fired) > len(edges):
+                edges.append(self._edges[fired[-1], source[0]])
+            source[0] = obj.fsm.code
+
+        def facts_for(stage, fired):
+            catch_up(fired)
+            return facts(sum(e.publishes for e in edges))
+
+        catch_up(self.oracle.run_phase(obj.fsm, phase, facts_for))
+        for edge in edges:
+            if edge.reason:
+                obj.finish_reason = edge.reason
+        return sum(e.publishes for e in edges)
+
+    def state_of(self, rid):
+        return self.reqs[rid].fsm.code
+
+    def finish_reasons(self) -> dict[str, FinishReason]:
+        return {rid: obj.finish_reason for rid, obj in self.reqs.items() if obj.finish_reason}
+
+    def on_frame(self, rid, embed):
+        obj = self.reqs[rid]
+        obj.frame_embed = embed
+        obj.num_frames += 1
 
     def slot(self, rid):
         return self.reqs[rid].slot
@@ -235,65 +291,78 @@ class TransitionsDriver(_PerRequestDriver):
     def mtp_params(self, rid):
         return self.reqs[rid].req.mtp
 
-    def on_eos(self, rid):
-        obj = self.reqs[rid]
-        obj.sample()
-        obj.eos()
-        obj.finish_reason = "eos"
-
-    def on_sample(self, rid, token):
-        obj = self.reqs[rid]
-        obj.sample()
-        obj.last_cb0 = token
-
-    def sampled(self, rid):
-        return self.reqs[rid].state == "sampled"
-
-    def on_mtp(self, rid):
-        self.reqs[rid].mtp()
-
-    def on_publish(self, rid, embed):
-        obj = self.reqs[rid]
-        obj.frame_embed = embed
-        obj.num_frames += 1
-        obj.publish()
-        if self.done(rid):
-            obj.finish_length()
-            obj.finish_reason = "length"
-
 
 # -- (3) per-request Python loop over slot/request-keyed dicts ---------------------------
 
 
 class DictLoopDriver(_PerRequestDriver):
     """The shape of the code mtp_fsm replaces: ~10 dicts keyed by request id or slot, with
-    RuntimeError guards instead of states."""
+    RuntimeError guards; its moves are the compiled rules as a plain dict, evaluated per
+    row on an int predicate word along the spec's stage chains."""
 
     name = "dict_loop"
 
     def __init__(self, model: TalkerModel, requests: Sequence[BenchRequest]) -> None:
         super().__init__(model, requests)
+        rules = compile_lifecycle(self.lifecycle).rules.tolist()
+        # {(trigger, state): (dest, must, must_not, reason, publishes)} for declared edges only.
+        self.rules = {
+            (t, s): tuple(plane[t][s] for plane in rules)
+            for t in range(len(rules[RULE_DEST])) for s in range(len(rules[RULE_DEST][t]))
+            if rules[RULE_DEST][t][s] != ILLEGAL
+        }
+        self.chains = {p: tuple((st.total, tuple(map(int, st.triggers))) for st in self.lifecycle.stages_of(p))
+                       for p in Phase}
         self.req_slot: dict[str, int] = {}
         self.slot_req: dict[int, str] = {}
         self.request: dict[str, BenchRequest] = {}
         self.prompts: dict[str, torch.Tensor] = {}
         self.num_computed_: dict[str, int] = {}
         self.num_frames_: dict[str, int] = {}
-        self.last_cb0: dict[str, int] = {}
-        self.frame_embeds: dict[str, torch.Tensor] = {}
-        self.frame_ready: dict[int, str] = {}  # slot -> request whose frame is complete this step
-        self.finished: dict[str, str] = {}  # request -> reason
-        self.sampled_rows: set[str] = set()  # requests whose CB0 was kept this step
+        self.frame_embeds: dict[int, torch.Tensor] = {}  # slot -> embedding of its last frame
+        self.state: dict[str, int] = {}
+        self.finished: dict[str, int] = {}  # request -> finish reason
 
     def add(self, req, slot, prompt):
         rid = req.request_id
         if slot in self.slot_req:
             raise RuntimeError(f"slot {slot} still owned by {self.slot_req[slot]!r}")
+        rule = self.rules.get((Trigger.ADMIT, State.FREE))  # the host decides admission
+        if rule is None:
+            raise RuntimeError(f"lifecycle {self.lifecycle.name!r} cannot admit {rid!r}")
         self.req_slot[rid], self.slot_req[slot], self.request[rid] = slot, rid, req
         self.prompts[rid], self.num_computed_[rid], self.num_frames_[rid] = prompt, 0, 0
+        self.state[rid] = rule[RULE_DEST]
 
-    def schedulable(self, rid):
-        return rid in self.req_slot and rid not in self.finished
+    def run_phase(self, rid: str, phase: Phase, facts) -> int:
+        """The phase's chains over this row: per stage, the first trigger whose rule from
+        the row's state exists and whose guard masks match the word fires."""
+        published = 0
+        for total, triggers in self.chains[phase]:
+            word = sum(p.bit for p, value in facts(published).items() if value)
+            state = self.state[rid]
+            for trigger in triggers:
+                rule = self.rules.get((trigger, state))
+                if rule is not None and (word & rule[RULE_MUST]) == rule[RULE_MUST] and not word & rule[RULE_MUST_NOT]:
+                    self.state[rid] = rule[RULE_DEST]
+                    if rule[RULE_REASON]:
+                        self.finished[rid] = rule[RULE_REASON]
+                    published += rule[RULE_PUBLISHES]
+                    break
+            else:
+                if total:
+                    raise RuntimeError(f"request {rid!r}: a total stage moved nothing from state {state}")
+        return published
+
+    def state_of(self, rid):
+        return State(self.state[rid])
+
+    def finish_reasons(self) -> dict[str, FinishReason]:
+        return {rid: FinishReason(r) for rid, r in self.finished.items()}
+
+    def on_frame(self, rid, embed):
+        self.frame_embeds[self.req_slot[rid]] = embed
+        self.num_frames_[rid] += 1
 
     def slot(self, rid):
         return self.req_slot[rid]
@@ -317,7 +386,10 @@ class DictLoopDriver(_PerRequestDriver):
         return self.request[rid].max_frames
 
     def frame_embed(self, rid):
-        return self.frame_embeds[rid]
+        slot = self.req_slot[rid]
+        if slot not in self.frame_embeds:
+            raise RuntimeError(f"decode row {rid!r} has no frame in slot {slot}")
+        return self.frame_embeds[slot]
 
     def seed(self, rid):
         return self.request[rid].seed
@@ -327,29 +399,6 @@ class DictLoopDriver(_PerRequestDriver):
 
     def mtp_params(self, rid):
         return self.request[rid].mtp
-
-    def on_eos(self, rid):
-        self.finished[rid] = "eos"
-
-    def on_sample(self, rid, token):
-        self.last_cb0[rid] = token
-        self.sampled_rows.add(rid)
-
-    def sampled(self, rid):
-        return rid in self.sampled_rows
-
-    def on_mtp(self, rid):
-        self.sampled_rows.discard(rid)
-        self.frame_ready[self.req_slot[rid]] = rid
-
-    def on_publish(self, rid, embed):
-        slot = self.req_slot[rid]
-        if self.frame_ready.pop(slot, None) != rid:
-            raise RuntimeError(f"frame of slot {slot} missing for {rid!r}")
-        self.frame_embeds[rid] = embed
-        self.num_frames_[rid] += 1
-        if self.done(rid):
-            self.finished[rid] = "length"
 
 
 DRIVERS = {"engine": EngineDriver, "transitions": TransitionsDriver, "dict_loop": DictLoopDriver}

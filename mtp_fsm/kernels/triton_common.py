@@ -1,4 +1,9 @@
-"""Shared @triton.jit helpers: lifecycle codes as constexprs, `fire`, exact dtype casts.
+"""Shared @triton.jit helpers: the generic lifecycle chain executor, exact dtype casts.
+
+The lifecycle reaches the kernels only as data (`DeviceLifecycle`): the rules tensor
+[plane, trigger, state], the state-class words and the stage chains. The constants here
+are the *layout* of that data (rule planes, class bits, predicate bits, error bits, the
+packed output columns); no kernel names a trigger, a state or a finish reason.
 
 Every helper is written so the GPU and the CPU interpreter (TRITON_INTERPRET=1) produce
 the same bits as the torch reference:
@@ -15,56 +20,109 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..lifecycle import FinishReason, State, Trigger
+from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, Predicate
+from ..lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES, RULE_REASON
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN
+from . import contract
 
-S_FREE = tl.constexpr(int(State.FREE))
-S_WAITING = tl.constexpr(int(State.WAITING))
-S_PREFILLING = tl.constexpr(int(State.PREFILLING))
-S_DECODING = tl.constexpr(int(State.DECODING))
-S_SAMPLED = tl.constexpr(int(State.SAMPLED))
-S_FRAME_READY = tl.constexpr(int(State.FRAME_READY))
-S_FINISHED = tl.constexpr(int(State.FINISHED))
-S_ABORTED = tl.constexpr(int(State.ABORTED))
+# Planes of the rules tensor [plane, trigger, state].
+P_DEST = tl.constexpr(RULE_DEST)
+P_MUST = tl.constexpr(RULE_MUST)
+P_MUST_NOT = tl.constexpr(RULE_MUST_NOT)
+P_REASON = tl.constexpr(RULE_REASON)
+P_PUBLISHES = tl.constexpr(RULE_PUBLISHES)
 
-T_ADMIT = tl.constexpr(int(Trigger.ADMIT))
-T_PREFILL = tl.constexpr(int(Trigger.PREFILL))
-T_SAMPLE = tl.constexpr(int(Trigger.SAMPLE))
-T_EOS = tl.constexpr(int(Trigger.EOS))
-T_MTP = tl.constexpr(int(Trigger.MTP))
-T_PUBLISH = tl.constexpr(int(Trigger.PUBLISH))
-T_FINISH_LENGTH = tl.constexpr(int(Trigger.FINISH_LENGTH))
-T_OVERRUN = tl.constexpr(int(Trigger.OVERRUN))
-T_ABORT = tl.constexpr(int(Trigger.ABORT))
+# State-class bits (lc.state_class[state]).
+C_LIVE = tl.constexpr(CLASS_LIVE)
+C_IN_STEP = tl.constexpr(CLASS_IN_STEP)
+C_VACANT = tl.constexpr(CLASS_VACANT)
 
-R_EOS = tl.constexpr(int(FinishReason.EOS))
-R_LENGTH = tl.constexpr(int(FinishReason.LENGTH))
-R_ERROR = tl.constexpr(int(FinishReason.ERROR))
+# Bit positions of the per-row predicate word.
+B_PROMPT_DONE = tl.constexpr(int(Predicate.PROMPT_DONE))
+B_CB0_NONFINITE = tl.constexpr(int(Predicate.CB0_NONFINITE))
+B_EOS_SAMPLED = tl.constexpr(int(Predicate.EOS_SAMPLED))
+B_MTP_NONFINITE = tl.constexpr(int(Predicate.MTP_NONFINITE))
+B_LENGTH_REACHED = tl.constexpr(int(Predicate.LENGTH_REACHED))
 
 E_IDENTITY = tl.constexpr(ERR_IDENTITY)
 E_ILLEGAL = tl.constexpr(ERR_ILLEGAL)
 E_SPAN = tl.constexpr(ERR_SPAN)
 
+# Columns of the packed per-row output.
+O_VALID = tl.constexpr(contract.OUT_VALID)
+O_FRAME_INDEX = tl.constexpr(contract.OUT_FRAME_INDEX)
+O_STATE = tl.constexpr(contract.OUT_STATE)
+O_REASON = tl.constexpr(contract.OUT_REASON)
+O_ERROR = tl.constexpr(contract.OUT_ERROR)
+O_NUM_FRAMES = tl.constexpr(contract.OUT_NUM_FRAMES)
+O_CODES = tl.constexpr(contract.OUT_CODES)
+
 
 @triton.jit
-def fire(trans_ptr, NS: tl.constexpr, TRIGGER: tl.constexpr, state, mask):
-    """Apply TRIGGER where `mask`: (new state, illegal). Illegal rows keep their state.
+def in_class(class_ptr, state, CLASS: tl.constexpr, mask):
+    """Whether `state` is in the state class with bit CLASS (False where ~mask)."""
+    return (tl.load(class_ptr + state, mask=mask, other=0) & CLASS) != 0
 
-    The destination comes from the compiled transition table [trigger, state], never
-    from a hand-written next state."""
-    dest = tl.load(trans_ptr + TRIGGER * NS + state, mask=mask, other=-1)
+
+@triton.jit
+def fire_host(rules_ptr, NS: tl.constexpr, PLANE: tl.constexpr, trigger, state, mask):
+    """A host trigger (no guard) where `mask`: (new state, illegal); illegal rows keep
+    their state. `trigger` is data (e.g. the admission trigger the host read from the
+    spec), the destination is the RULE_DEST plane of the compiled rules."""
+    dest = tl.load(rules_ptr + P_DEST * PLANE + tl.maximum(trigger, 0) * NS + state, mask=mask, other=-1)
     illegal = mask & (dest < 0)
     return tl.where(mask & (dest >= 0), dest, state), illegal
 
 
 @triton.jit
-def is_live(state):
-    return (state == S_WAITING) | (state == S_PREFILLING) | (state == S_DECODING)
+def predicate_bit(mask, BIT: tl.constexpr):
+    """One predicate's contribution to the word (reference.predicate_word)."""
+    return mask.to(tl.int32) << BIT
 
 
 @triton.jit
-def is_terminal(state):
-    return (state == S_FINISHED) | (state == S_ABORTED)
+def run_stage(rules_ptr, chain_ptr, STAGE: tl.constexpr, state, word, owned, reason, published, stuck,
+              NS: tl.constexpr, PLANE: tl.constexpr, WIDTH: tl.constexpr):
+    """One stage of a compiled chain over a tile of rows (reference.run_phase, one stage).
+
+    chain row STAGE = [total, trigger ids (-1 padding)]; for each trigger the rule is
+    gathered at the row's state at stage start and fires where the row is owned, the
+    destination is declared and the guard masks hold on `word`. Returns (state, reason,
+    published, stuck) after the stage."""
+    at_row = chain_ptr + STAGE * WIDTH
+    total = tl.load(at_row)
+    new = state
+    fired = tl.zeros_like(owned)
+    for k in tl.static_range(1, WIDTH):
+        trigger = tl.load(at_row + k)
+        has = owned & (trigger >= 0)
+        rule = rules_ptr + tl.maximum(trigger, 0) * NS + state
+        dest = tl.load(rule + P_DEST * PLANE, mask=has, other=-1)
+        must = tl.load(rule + P_MUST * PLANE, mask=has, other=0)
+        must_not = tl.load(rule + P_MUST_NOT * PLANE, mask=has, other=0)
+        why = tl.load(rule + P_REASON * PLANE, mask=has, other=0)
+        emits = tl.load(rule + P_PUBLISHES * PLANE, mask=has, other=0)
+        ok = has & (dest >= 0) & ((word & must) == must) & ((word & must_not) == 0)
+        new = tl.where(ok, dest, new)
+        reason = tl.where(ok & (why != 0), why, reason)
+        published = published | (ok & (emits != 0))
+        fired = fired | ok
+    stuck = stuck | (owned & ~fired & (total != 0))
+    return new, reason, published, stuck
+
+
+@triton.jit
+def run_chain(rules_ptr, chain_ptr, state, word, owned, NS: tl.constexpr, PLANE: tl.constexpr,
+              STAGES: tl.constexpr, WIDTH: tl.constexpr):
+    """Every stage of a phase whose predicates are known up front (one word for all
+    stages): (state, reason recorded (0 = none), published, stuck)."""
+    reason = tl.zeros_like(state)
+    published = tl.zeros_like(owned)
+    stuck = tl.zeros_like(owned)
+    for s in tl.static_range(STAGES):
+        state, reason, published, stuck = run_stage(rules_ptr, chain_ptr, s, state, word, owned, reason, published,
+                                                    stuck, NS, PLANE, WIDTH)
+    return state, reason, published, stuck
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """Triton backend: the stage functions of `reference`, same names, signatures and contract.
 
-Each stage is one fused kernel launch over all rows (guard via the transition table
-tensor, state update, data movement); launches never depend on the batch size:
+Each stage is one fused kernel launch over all rows (the phase's predicates, the compiled
+stage chains run by one generic executor, data movement); launches never depend on the
+batch size:
 
 | stage             | launches                                                         |
 |-------------------|------------------------------------------------------------------|
@@ -16,7 +17,9 @@ tensor, state update, data movement); launches never depend on the batch size:
 
 A decode step is 6 launches plus Q - 1 MTP sampling launches. No stage reads a device
 value on the host or builds a tensor from host data, so the stages can be captured in a
-CUDA graph (after a warm-up launch has compiled them). Kernels process tiles of rows: one
+CUDA graph (after a warm-up launch has compiled them). The lifecycle is data (a
+`DeviceLifecycle`): chain shapes and table strides are the only constexprs taken from it,
+so the kernels compile once per lifecycle variant. Kernels process tiles of rows: one
 row (sampling) or a few per program on a GPU, the whole batch in one program under the
 CPU interpreter (TRITON_INTERPRET=1, set before triton is first imported), whose
 per-program cost is large.
@@ -29,13 +32,14 @@ import functools
 import torch
 import triton  # ImportError when Triton is missing: the backend selector reports it
 
+from ..lifecycle import DeviceLifecycle, Phase
 from ..sampling.noise import gumbel_table
 from ..sampling.topp import fixed_tables
 from ..slots import SlotTable
 from . import triton_stages as K
-from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
-from .reference import (  # noqa: F401  (re-exported: the packed output layout)
-    OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, TextStep,
+from .contract import (  # noqa: F401  (re-exported: the packed output layout)
+    OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames,
+    StagedAdmits, StagedEvents, StepBatch, TextStep,
 )
 from .triton_sampling import MAX_VOCAB
 
@@ -98,11 +102,25 @@ def _block(n: int, cap: int = 1024) -> int:
     return min(cap, triton.next_power_of_2(max(n, 1)))
 
 
-def _ns(trans: torch.Tensor) -> int:
-    """Row stride of the [trigger, state] transition table (the kernels index it flat)."""
-    if not trans.is_contiguous():
-        raise ValueError("the transition table tensor must be contiguous")
-    return int(trans.shape[1])
+def _rules(lc: DeviceLifecycle) -> dict:
+    """The rules tensor's strides as constexprs: NS (states per trigger row) and PLANE
+    (elements per rule plane); the kernels index it flat."""
+    if not lc.rules.is_contiguous():
+        raise ValueError("the lifecycle rules tensor must be contiguous")
+    _, triggers, states = lc.rules.shape
+    return {"NS": int(states), "PLANE": int(triggers * states)}
+
+
+def _chain(lc: DeviceLifecycle, phase: Phase) -> tuple[torch.Tensor, dict]:
+    """One phase's chain tensor [stages, 1 + longest] and its shape as constexprs. A phase
+    without stages passes the rules tensor as a placeholder pointer (never read)."""
+    chain = lc.chains[phase]
+    stages, width = int(chain.shape[0]), int(chain.shape[1])
+    if stages == 0:
+        return lc.rules, {"STAGES": 0, "WIDTH": 1}
+    if not chain.is_contiguous():
+        chain = chain.contiguous()
+    return chain, {"STAGES": stages, "WIDTH": width}
 
 
 def _row_tile(n: int, gpu: int) -> int:
@@ -111,21 +129,21 @@ def _row_tile(n: int, gpu: int) -> int:
     return min(64, triton.next_power_of_2(max(n, 1))) if interpreted() else gpu
 
 
-def apply_host_events(table: SlotTable, trans: torch.Tensor, events: StagedEvents) -> None:
+def apply_host_events(table: SlotTable, lc: DeviceLifecycle, events: StagedEvents) -> None:
     count = int(events.slots.shape[0])
     if count == 0:
         return
     triggers = events.triggers.contiguous()
     K.host_events_kernel[(triton.cdiv(count, ROW_BLOCK),)](
         events.slots, triggers, triggers.stride(0), events.reasons, count,
-        table.state, table.finish_reason, table.serial, table.error, trans,
-        NS=_ns(trans), CHAIN=int(triggers.shape[1]), BLOCK=ROW_BLOCK,
+        table.state, table.finish_reason, table.serial, table.error, lc.rules, lc.state_class,
+        **_rules(lc), CHAIN=int(triggers.shape[1]), BLOCK=ROW_BLOCK,
     )
 
 
-def apply_admits(table: SlotTable, trans: torch.Tensor, admits: StagedAdmits) -> None:
+def apply_admits(table: SlotTable, lc: DeviceLifecycle, admits: StagedAdmits) -> None:
     """Every column of each admitted row reset, its staged prefix written: launches =
-    ceil(columns / 12), whatever the number of rows; the first also fires `admit`."""
+    ceil(columns / 12), whatever the number of rows; the first also fires `admits.trigger`."""
     slots = admits.slots
     count = int(slots.shape[0])
     if count == 0:
@@ -160,8 +178,8 @@ def apply_admits(table: SlotTable, trans: torch.Tensor, admits: StagedAdmits) ->
             dst_row, dst, src, src_row, default = group[min(i, len(group) - 1)]
             args += [dst, src, dst_row, src_row, default]
         K.admit_kernel[(triton.cdiv(count, tile), triton.cdiv(widest, block))](
-            slots, count, table.state, table.error, trans, *args,
-            NS=_ns(trans), NCOL=len(group), FIRE=start == 0, BLOCK_A=tile, BLOCK=block,
+            slots, count, table.state, table.error, lc.rules, int(admits.trigger), *args,
+            **_rules(lc), NCOL=len(group), FIRE=start == 0, BLOCK_A=tile, BLOCK=block,
         )
 
 
@@ -184,7 +202,7 @@ def replay_frames(table: SlotTable, replay: ReplayFrames, frame_embed, text_step
     )
 
 
-def compose_inputs(table: SlotTable, batch: StepBatch, text_step: TextStep):
+def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text_step: TextStep):
     """Returns (inputs_embeds [T, H], positions [T], token_slots [T]; -1 = inert token)."""
     slot = batch.idx_mapping
     rows, tokens, h = batch.num_rows, batch.num_tokens, table.hidden_size
@@ -205,7 +223,7 @@ def compose_inputs(table: SlotTable, batch: StepBatch, text_step: TextStep):
         K.compose_kernel[(triton.cdiv(max(rows, tokens), tile), triton.cdiv(h, block))](
             slot, _u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, batch.token_rows,
             batch.token_offsets, rows, tokens, table.state, table.serial, table.num_computed, table.prompt_len,
-            table.error, table.prompt_embeds, table.frame_embed, text, text.stride(0) if text.dim() == 2 else 0,
+            table.error, lc.state_class, table.prompt_embeds, table.frame_embed, text, text.stride(0) if text.dim() == 2 else 0,
             inputs, positions, token_slots, table.max_context, h, BLOCK_T=tile, BLOCK_H=block,
         )
     return inputs, positions, token_slots
@@ -219,14 +237,14 @@ def _vocab_block(vocab: int) -> int:
 
 def sample_cb0(
     table: SlotTable,
-    trans: torch.Tensor,
+    lc: DeviceLifecycle,
     batch: StepBatch,
     logits: torch.Tensor,
     *,
     eos_token_id: int | None,
     allowed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Counters, CB0 sampling with the EOS guard and the state update: one program per row."""
+    """Counters, CB0 sampling, the sample-phase predicates and stage chain: one program per row."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -236,13 +254,14 @@ def sample_cb0(
     noise = gumbel_table(logits.device)
     hi, lo = fixed_tables(logits.device)
     tile = _row_tile(rows, 1)
+    chain, shape = _chain(lc, Phase.SAMPLE)
     K.sample_cb0_kernel[(triton.cdiv(rows, tile),)](
         batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, rows,
         table.state, table.serial, table.num_computed, table.prompt_len, table.error, table.finish_reason,
-        table.last_cb0, table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k, table.cb0_top_p,
-        trans, logits, logits.stride(0), vocab, noise if allowed is None else _u8(allowed), noise, hi, lo,
-        -1 if eos_token_id is None else int(eos_token_id), tokens,
-        NS=_ns(trans), HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters),
+        table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k, table.cb0_top_p,
+        lc.rules, lc.state_class, chain, logits, logits.stride(0), vocab, noise if allowed is None else _u8(allowed),
+        noise, hi, lo, -1 if eos_token_id is None else int(eos_token_id), tokens,
+        **_rules(lc), **shape, HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters),
         BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
     )
     return tokens
@@ -278,20 +297,24 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     return sample, bad
 
 
-def mtp_scatter(table: SlotTable, trans: torch.Tensor, batch: StepBatch, mtp_bad: torch.Tensor) -> None:
+def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_bad: torch.Tensor) -> None:
+    """The MTP-phase stage chain (a lifecycle without one leaves every row as it is)."""
     rows = batch.num_rows
-    if rows == 0:
+    if rows == 0 or not lc.has_stages(Phase.MTP):
         return
+    chain, shape = _chain(lc, Phase.MTP)
     K.mtp_scatter_kernel[(triton.cdiv(rows, ROW_BLOCK),)](
         batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, _u8(mtp_bad), rows,
-        table.state, table.serial, table.finish_reason, table.error, trans, NS=_ns(trans), BLOCK=ROW_BLOCK,
+        table.state, table.serial, table.finish_reason, table.error, lc.rules, chain,
+        **_rules(lc), **shape, BLOCK=ROW_BLOCK,
     )
 
 
 def publish_frames(
-    table: SlotTable, trans: torch.Tensor, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor
+    table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor
 ) -> torch.Tensor:
-    """Frame cache, counters, publication into the packed output [B, OUT_CODES + Q], length check."""
+    """The publish-phase stage chain; frame cache, counters and the packed output
+    [B, OUT_CODES + Q] for rows whose fired rule publishes."""
     rows, q, h = batch.num_rows, table.num_codebooks, table.hidden_size
     packed = torch.empty(rows, OUT_CODES + q, dtype=torch.int64, device=table.device)
     if rows == 0:
@@ -301,12 +324,13 @@ def publish_frames(
     frame_embeds = _rows(frame_embeds)
     block = _block(h)
     tile = _row_tile(rows, max(1, 1024 // block))
+    chain, shape = _chain(lc, Phase.PUBLISH)
     K.publish_kernel[(triton.cdiv(rows, tile),)](
         batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, rows, table.state, table.serial,
-        table.num_frames, table.max_frames, table.num_computed, table.finish_reason, table.error, trans,
-        codes, codes.stride(0), codes.stride(1), frame_embeds, frame_embeds.stride(0),
+        table.num_frames, table.max_frames, table.num_computed, table.finish_reason, table.error, lc.rules,
+        lc.state_class, chain, codes, codes.stride(0), codes.stride(1), frame_embeds, frame_embeds.stride(0),
         table.frame_codes, table.frame_log, table.frame_embed, packed, packed.stride(0),
-        table.max_context, h, q, NS=_ns(trans), OUT_CODES=OUT_CODES, BLOCK_R=tile,
+        table.max_context, h, q, **_rules(lc), **shape, BLOCK_R=tile,
         BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block,
     )
     return packed

@@ -1,7 +1,11 @@
 """The @triton.jit stage kernels: one launch per transition stage over all rows.
 
-Each kernel does guard check + state update (through the transition table tensor) +
-data movement for its stage. Padding rows (is_padding, pointing at the scratch row)
+Each kernel computes its phase's predicates, runs the compiled stage chains of that phase
+through the generic executor (`triton_common.run_stage`: rules gathered at the row's
+state, guard masks on the predicate word) and moves the data the fired rules call for.
+No kernel names a trigger or a state: the lifecycle arrives as tensors (rules, state
+classes, chains), and the chain shapes are constexprs, so a kernel compiles once per
+lifecycle variant. Padding rows (is_padding, pointing at the scratch row)
 compute like any row but never write the table: the reference's writes for them store
 the values they already hold, so skipping them is exact and race-free. Row and token counts
 are not specialised on (do_not_specialize), so a new batch size never recompiles.
@@ -13,17 +17,17 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    E_IDENTITY, E_ILLEGAL, E_SPAN, R_EOS, R_ERROR, R_LENGTH, S_DECODING, S_FRAME_READY, S_FREE, S_SAMPLED,
-    T_ABORT, T_ADMIT, T_EOS, T_FINISH_LENGTH, T_MTP, T_OVERRUN, T_PREFILL, T_PUBLISH, T_SAMPLE,
-    add_in, cast_to, fire, is_live, is_terminal,
+    B_CB0_NONFINITE, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_NONFINITE, B_PROMPT_DONE, C_IN_STEP, C_LIVE, C_VACANT,
+    E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID,
+    add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
 from .triton_sampling import row_key, sample_rows
 
 
 @triton.jit(do_not_specialize=['E'])
 def host_events_kernel(slots_ptr, trig_ptr, trig_stride, reasons_ptr, E,
-                       state_ptr, reason_ptr, serial_ptr, error_ptr, trans_ptr,
-                       NS: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr):
+                       state_ptr, reason_ptr, serial_ptr, error_ptr, rules_ptr, class_ptr,
+                       NS: tl.constexpr, PLANE: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < E
     slot = tl.load(slots_ptr + i, mask=m, other=0)
@@ -31,10 +35,7 @@ def host_events_kernel(slots_ptr, trig_ptr, trig_stride, reasons_ptr, E,
     err = tl.load(error_ptr + slot, mask=m, other=0)
     for k in tl.static_range(CHAIN):
         trig = tl.load(trig_ptr + i * trig_stride + k, mask=m, other=-1)
-        has = trig >= 0
-        dest = tl.load(trans_ptr + tl.maximum(trig, 0) * NS + state, mask=m, other=-1)
-        illegal = has & (dest < 0)
-        state = tl.where(has & (dest >= 0), dest, state)
+        state, illegal = fire_host(rules_ptr, NS, PLANE, trig, state, m & (trig >= 0))
         err = tl.where(illegal, err | E_ILLEGAL, err)
     reason = tl.load(reasons_ptr + i, mask=m, other=0)
     old_reason = tl.load(reason_ptr + slot, mask=m, other=0)
@@ -42,7 +43,7 @@ def host_events_kernel(slots_ptr, trig_ptr, trig_stride, reasons_ptr, E,
     tl.store(state_ptr + slot, state, mask=m)
     tl.store(error_ptr + slot, err, mask=m)
     tl.store(reason_ptr + slot, tl.where(reason != 0, reason, old_reason), mask=m)
-    tl.store(serial_ptr + slot, tl.where(state == S_FREE, 0, serial), mask=m)
+    tl.store(serial_ptr + slot, tl.where(in_class(class_ptr, state, C_VACANT, m), 0, serial), mask=m)
 
 
 @triton.jit
@@ -56,14 +57,14 @@ def _admit_column(slot, a, amask, offs, dst, src, dst_row, src_row, default):
 
 
 @triton.jit(do_not_specialize=['A'])
-def admit_kernel(slots_ptr, A, state_ptr, error_ptr, trans_ptr,
+def admit_kernel(slots_ptr, A, state_ptr, error_ptr, rules_ptr, trigger,
                  d0, s0, dr0, sr0, f0, d1, s1, dr1, sr1, f1, d2, s2, dr2, sr2, f2, d3, s3, dr3, sr3, f3,
                  d4, s4, dr4, sr4, f4, d5, s5, dr5, sr5, f5, d6, s6, dr6, sr6, f6, d7, s7, dr7, sr7, f7,
                  d8, s8, dr8, sr8, f8, d9, s9, dr9, sr9, f9, d10, s10, dr10, sr10, f10, d11, s11, dr11, sr11, f11,
-                 NS: tl.constexpr, NCOL: tl.constexpr, FIRE: tl.constexpr, BLOCK_A: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 NS: tl.constexpr, PLANE: tl.constexpr, NCOL: tl.constexpr, FIRE: tl.constexpr,
+                 BLOCK_A: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (admitted-row tiles, column blocks): reset + write up to 12 columns per launch;
-    the first launch also fires `admit` (the error column is reset, not or-ed)."""
+    the first launch also fires the admission `trigger` (the error column is reset, not or-ed)."""
     a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
     amask = a < A
     blk = tl.program_id(1)
@@ -71,7 +72,7 @@ def admit_kernel(slots_ptr, A, state_ptr, error_ptr, trans_ptr,
     if FIRE:
         if blk == 0:
             state = tl.load(state_ptr + slot, mask=amask, other=0)
-            new, illegal = fire(trans_ptr, NS, T_ADMIT, state, amask)
+            new, illegal = fire_host(rules_ptr, NS, PLANE, trigger, state, amask)
             tl.store(error_ptr + slot, tl.where(illegal, E_ILLEGAL, 0).to(tl.int32), mask=amask)
             tl.store(state_ptr + slot, new, mask=amask)
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -116,24 +117,25 @@ def replay_kernel(slots_ptr, pos_ptr, N, fe_ptr, fe_stride, ts_ptr, ts_stride, p
 
 
 @triton.jit
-def _row_phase(row, rmask, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr):
+def _row_phase(row, rmask, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr,
+               class_ptr):
     slot = tl.load(idx_ptr + row, mask=rmask, other=0)
     pad = tl.load(pad_ptr + row, mask=rmask, other=1) != 0
     state = tl.load(state_ptr + slot, mask=rmask, other=0)
     owned = (~pad) & (tl.load(serial_ptr + slot, mask=rmask, other=0) == tl.load(exp_ptr + row, mask=rmask, other=0))
-    live = owned & is_live(state)
+    live = owned & in_class(class_ptr, state, C_LIVE, rmask)
     computed = tl.load(computed_ptr + slot, mask=rmask, other=0)
     plen = tl.load(plen_ptr + slot, mask=rmask, other=0)
     n = tl.load(nsched_ptr + row, mask=rmask, other=0)
     prefill = computed < plen
     # Phase comes from num_computed < prompt_len, never from the span length.
-    bad_span = live & tl.where(prefill, computed + n > plen, (n != 1) | (state != S_DECODING))
+    bad_span = live & tl.where(prefill, computed + n > plen, n != 1)
     return slot, pad, owned, live, prefill, bad_span, computed
 
 
 @triton.jit(do_not_specialize=['B', 'T'])
 def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B, T,
-                   state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr,
+                   state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr, class_ptr,
                    prompt_ptr, fembed_ptr, text_ptr, text_stride, out_ptr, pos_ptr, tslot_ptr, C, H,
                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Grid (tiles of max(T, B), H blocks): index p flags row p (span / identity) and
@@ -143,7 +145,7 @@ def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B,
     if hb == 0:
         rm = p < B
         slot, pad, owned, live, prefill, bad_span, computed = _row_phase(
-            p, rm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr)
+            p, rm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr, class_ptr)
         bits = tl.where(bad_span, E_SPAN, 0) | tl.where(rm & (~pad) & (~owned), E_IDENTITY, 0)
         flag = rm & (bits != 0)
         err = tl.load(error_ptr + slot, mask=flag, other=0)
@@ -151,7 +153,7 @@ def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B,
     tm = p < T
     row = tl.load(rows_ptr + p, mask=tm, other=0)
     slot, pad, owned, live, prefill, bad_span, computed = _row_phase(
-        row, tm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr)
+        row, tm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr, class_ptr)
     pos = computed + tl.load(offs_ptr + p, mask=tm, other=0)
     if hb == 0:
         tl.store(pos_ptr + p, pos, mask=tm)
@@ -169,22 +171,23 @@ def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B,
 
 @triton.jit(do_not_specialize=['B'])
 def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
-                      state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr, reason_ptr, last_ptr,
-                      frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp_ptr, trans_ptr,
+                      state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr, reason_ptr,
+                      frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp_ptr, rules_ptr, class_ptr, chain_ptr,
                       logits_ptr, logits_stride, V, allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, eos_id, tokens_ptr,
-                      NS: tl.constexpr, HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
+                      NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
+                      HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A tile of rows: counters, CB0 sampling with the EOS guard, state update."""
+    """A tile of rows: counters, CB0 sampling, the sample-phase predicates (prompt done,
+    non-finite CB0 logits, EOS sampled) and the sample-phase stage chain."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
     slot = tl.load(idx_ptr + row, mask=rm, other=0)
     pad = tl.load(pad_ptr + row, mask=rm, other=1) != 0
     state = tl.load(state_ptr + slot, mask=rm, other=0)
     owned = (~pad) & (tl.load(serial_ptr + slot, mask=rm, other=0) == tl.load(exp_ptr + row, mask=rm, other=0))
-    live = owned & is_live(state)
+    live = owned & in_class(class_ptr, state, C_LIVE, rm)
     n = tl.load(nsched_ptr + row, mask=rm, other=0)
     computed = tl.load(computed_ptr + slot, mask=rm, other=0) + tl.where(live, n, 0)
-    kept = live & (computed >= tl.load(plen_ptr + slot, mask=rm, other=0))
     seed = tl.load(seed_ptr + slot, mask=rm, other=0)
     key = row_key(seed, tl.load(frames_ptr + slot, mask=rm, other=0), seed * 0)
     token, bad = sample_rows(
@@ -192,26 +195,17 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
         allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED, APPLY_FILTERS, BLOCK_V)
     tl.store(tokens_ptr + row, token, mask=rm)
-    ok = kept & ~bad
-    new, ill_prefill = fire(trans_ptr, NS, T_PREFILL, state, live & ~kept)
-    sampled, ill_sample = fire(trans_ptr, NS, T_SAMPLE, state, ok)
-    new = tl.where(ok, sampled, new)
-    eos = ok & (token == eos_id)
-    new, ill_eos = fire(trans_ptr, NS, T_EOS, new, eos)
-    new, ill_abort = fire(trans_ptr, NS, T_ABORT, new, kept & bad)
-    new, ill_overrun = fire(trans_ptr, NS, T_OVERRUN, new, owned & is_terminal(state) & (n > 0))
+    done = computed >= tl.load(plen_ptr + slot, mask=rm, other=0)
+    eos = (token == eos_id) & (eos_id >= 0)
+    word = predicate_bit(done, B_PROMPT_DONE) | predicate_bit(bad, B_CB0_NONFINITE) | predicate_bit(eos, B_EOS_SAMPLED)
+    new, why, published, stuck = run_chain(rules_ptr, chain_ptr, state, word, owned, NS, PLANE, STAGES, WIDTH)
     w = rm & ~pad
     reason = tl.load(reason_ptr + slot, mask=w, other=0)
-    reason = tl.where(eos, R_EOS, reason)
-    reason = tl.where(kept & bad, R_ERROR, reason)
-    illegal = ill_prefill | ill_sample | ill_eos | ill_abort | ill_overrun
-    last = tl.load(last_ptr + slot, mask=w, other=0)
     err = tl.load(error_ptr + slot, mask=w, other=0)
     tl.store(computed_ptr + slot, computed, mask=w)
     tl.store(state_ptr + slot, new, mask=w)
-    tl.store(reason_ptr + slot, reason.to(tl.int32), mask=w)
-    tl.store(last_ptr + slot, tl.where(ok, token, last), mask=w)
-    tl.store(error_ptr + slot, tl.where(illegal, err | E_ILLEGAL, err), mask=w)
+    tl.store(reason_ptr + slot, tl.where(why != 0, why, reason), mask=w)
+    tl.store(error_ptr + slot, tl.where(stuck, err | E_ILLEGAL, err), mask=w)
 
 
 @triton.jit(do_not_specialize=['B', 'codebook'])
@@ -234,50 +228,58 @@ def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp
 
 @triton.jit(do_not_specialize=['B'])
 def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, bad_ptr, B, state_ptr, serial_ptr, reason_ptr, error_ptr,
-                       trans_ptr, NS: tl.constexpr, BLOCK: tl.constexpr):
+                       rules_ptr, chain_ptr, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr,
+                       WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """The MTP-phase stage chain on the predicate MTP_NONFINITE."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < B
     slot = tl.load(idx_ptr + r, mask=m, other=0)
     pad = tl.load(pad_ptr + r, mask=m, other=1) != 0
     state = tl.load(state_ptr + slot, mask=m, other=0)
     owned = (~pad) & (tl.load(serial_ptr + slot, mask=m, other=0) == tl.load(exp_ptr + r, mask=m, other=0))
-    sampled = owned & (state == S_SAMPLED)
-    mbad = tl.load(bad_ptr + r, mask=m, other=0) != 0
-    new, ill_mtp = fire(trans_ptr, NS, T_MTP, state, sampled & ~mbad)
-    new, ill_abort = fire(trans_ptr, NS, T_ABORT, new, sampled & mbad)
+    word = predicate_bit(tl.load(bad_ptr + r, mask=m, other=0) != 0, B_MTP_NONFINITE)
+    new, why, published, stuck = run_chain(rules_ptr, chain_ptr, state, word, owned, NS, PLANE, STAGES, WIDTH)
     w = m & ~pad
     reason = tl.load(reason_ptr + slot, mask=w, other=0)
     err = tl.load(error_ptr + slot, mask=w, other=0)
     tl.store(state_ptr + slot, new, mask=w)
-    tl.store(reason_ptr + slot, tl.where(sampled & mbad, R_ERROR, reason).to(tl.int32), mask=w)
-    tl.store(error_ptr + slot, tl.where(ill_mtp | ill_abort, err | E_ILLEGAL, err), mask=w)
+    tl.store(reason_ptr + slot, tl.where(why != 0, why, reason), mask=w)
+    tl.store(error_ptr + slot, tl.where(stuck, err | E_ILLEGAL, err), mask=w)
 
 
 @triton.jit(do_not_specialize=['B'])
 def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_ptr, maxf_ptr, computed_ptr,
-                   reason_ptr, error_ptr, trans_ptr, codes_ptr, codes_s0, codes_s1, fe_ptr, fe_stride,
-                   fcodes_ptr, flog_ptr, fembed_ptr, out_ptr, out_stride, C, H, Q,
-                   NS: tl.constexpr, OUT_CODES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
-    """A tile of rows: frame cache / log / embedding, counters, length check, state
-    update and the packed output rows [valid, index, state, reason, error, frames, codes]."""
+                   reason_ptr, error_ptr, rules_ptr, class_ptr, chain_ptr, codes_ptr, codes_s0, codes_s1, fe_ptr,
+                   fe_stride, fcodes_ptr, flog_ptr, fembed_ptr, out_ptr, out_stride, C, H, Q,
+                   NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A tile of rows: the publish-phase stage chain (LENGTH_REACHED per stage, counting the
+    frame a previous stage published), then frame cache / log / embedding and counters for
+    rows whose fired rule publishes, and the packed output rows."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
     slot = tl.load(idx_ptr + row, mask=rm, other=0)
     pad = tl.load(pad_ptr + row, mask=rm, other=1) != 0
     state = tl.load(state_ptr + slot, mask=rm, other=0)
     owned = (~pad) & (tl.load(serial_ptr + slot, mask=rm, other=0) == tl.load(exp_ptr + row, mask=rm, other=0))
-    ready = owned & (state == S_FRAME_READY)
     frame_index = tl.load(frames_ptr + slot, mask=rm, other=0)
+    max_frames = tl.load(maxf_ptr + slot, mask=rm, other=0)
+    # The next input would sit at position num_computed: no room when it no longer fits.
+    full = tl.load(computed_ptr + slot, mask=rm, other=0) >= C
+    why = tl.zeros_like(state)
+    ready = tl.zeros_like(owned)
+    stuck = tl.zeros_like(owned)
+    for s in tl.static_range(STAGES):
+        length = ((frame_index + ready.to(tl.int64)) >= max_frames) | full
+        state, why, ready, stuck = run_stage(rules_ptr, chain_ptr, s, state, predicate_bit(length, B_LENGTH_REACHED),
+                                             owned, why, ready, stuck, NS, PLANE, WIDTH)
+    # Whatever the stages did, no row may rest in a state that exists only inside a step.
+    stuck = stuck | (owned & in_class(class_ptr, state, C_IN_STEP, rm))
     num_frames = frame_index + ready.to(tl.int64)
-    new, ill_publish = fire(trans_ptr, NS, T_PUBLISH, state, ready)
-    # The next input would sit at position num_computed: stop when it no longer fits.
-    over = (num_frames >= tl.load(maxf_ptr + slot, mask=rm, other=0)) | (tl.load(computed_ptr + slot, mask=rm, other=0) >= C)
-    length = ready & over
-    new, ill_length = fire(trans_ptr, NS, T_FINISH_LENGTH, new, length)
-    reason = tl.where(length, R_LENGTH, tl.load(reason_ptr + slot, mask=rm, other=0))
+    reason = tl.load(reason_ptr + slot, mask=rm, other=0)
+    reason = tl.where(why != 0, why, reason)
     err = tl.load(error_ptr + slot, mask=rm, other=0)
-    err = tl.where(ill_publish | ill_length, err | E_ILLEGAL, err)
+    err = tl.where(stuck, err | E_ILLEGAL, err)
     q = tl.arange(0, BLOCK_Q)
     qm = rm[:, None] & (q < Q)[None, :]
     row64 = row.to(tl.int64)
@@ -293,17 +295,17 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
         tl.store(fembed_ptr + (slot * H)[:, None] + h[None, :], cast_to(fe, fembed_ptr.dtype.element_ty), mask=rh)
     w = rm & ~pad
     tl.store(frames_ptr + slot, num_frames, mask=w)
-    tl.store(state_ptr + slot, new, mask=w)
-    tl.store(reason_ptr + slot, reason.to(tl.int32), mask=w)
+    tl.store(state_ptr + slot, state, mask=w)
+    tl.store(reason_ptr + slot, reason, mask=w)
     tl.store(error_ptr + slot, err, mask=w)
     out = out_ptr + row64 * out_stride
-    tl.store(out + 0, ready.to(tl.int64), mask=rm)
-    tl.store(out + 1, frame_index, mask=rm)
-    tl.store(out + 2, new.to(tl.int64), mask=rm)
-    tl.store(out + 3, reason.to(tl.int64), mask=rm)
-    tl.store(out + 4, err.to(tl.int64), mask=rm)
-    tl.store(out + 5, num_frames, mask=rm)
-    tl.store(out[:, None] + OUT_CODES + q[None, :], tl.where(ready[:, None], codes, 0), mask=qm)
+    tl.store(out + O_VALID, ready.to(tl.int64), mask=rm)
+    tl.store(out + O_FRAME_INDEX, frame_index, mask=rm)
+    tl.store(out + O_STATE, state.to(tl.int64), mask=rm)
+    tl.store(out + O_REASON, reason.to(tl.int64), mask=rm)
+    tl.store(out + O_ERROR, err.to(tl.int64), mask=rm)
+    tl.store(out + O_NUM_FRAMES, num_frames, mask=rm)
+    tl.store(out[:, None] + O_CODES + q[None, :], tl.where(ready[:, None], codes, 0), mask=qm)
 
 
 @triton.jit(do_not_specialize=['B'])

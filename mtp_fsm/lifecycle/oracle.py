@@ -104,9 +104,15 @@ class Oracle:
     def run_phase(self, fsm: RequestFSM, phase: Phase, facts_for) -> list[Trigger]:
         """Every stage of `phase` in order; facts_for(stage, fired_so_far) gives each stage's
         predicates (they may depend on what fired before, e.g. a frame count after publish)."""
-        fired: list[Trigger] = []
+        edges = self.run_phase_edges(fsm, phase, lambda stage, fired: facts_for(stage, [t for t, _ in fired]))
+        return [trigger for trigger, _ in edges]
+
+    def run_phase_edges(self, fsm: RequestFSM, phase: Phase, facts_for) -> list[tuple[Trigger, State]]:
+        """As run_phase, with edges as (trigger, source state), also in facts_for's `fired`."""
+        fired: list[tuple[Trigger, State]] = []
         for stage in self.spec.stages_of(phase):
-            trigger = self.run_stage(fsm, stage, facts_for(stage, fired))
+            source = fsm.code
+            trigger = self.run_stage(fsm, stage, facts_for(stage, list(fired)))
             if trigger is not None:
-                fired.append(trigger)
+                fired.append((trigger, source))
         return fired

@@ -1,13 +1,13 @@
 """Drive the lifecycle oracle from StepPlans: the expected world a test holds the engine to.
 
 `OracleDriver` keeps, per request, a `RequestFSM` in its own `Oracle` plus the host facts
-(prompt length, positions computed, frames published, predicted slot) and, for each
-StepPlan, fires the triggers the plan implies row by row: prefill for a non-final chunk;
-sample -> (mtp ->) publish [-> finish_length] for a kept row; sample -> eos; abort for a
-non-finite row; overrun for a terminal row. What a kept row yields (a frame, an EOS, an
-error) comes from the same request run ALONE (`ReferenceRuns`, cached per definition), so
-comparing the engine's outputs with the driver's expectations checks states, publication
-rules and request isolation at once.
+(prompt length, positions computed, frames published, predicted slot). For each StepPlan it
+fires the plan's host triggers, then runs every scheduled row through the spec's stage
+chains (`Oracle.run_phase`, guards evaluated by `transitions`) with that row's predicates.
+What a kept sample is (a frame, the codec EOS, non-finite logits) comes from the same
+request run alone by the reference interpreter (`ReferenceRuns`, cached per definition),
+so comparing the engine's outputs with the driver's expectations checks states,
+publication rules and request isolation at once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import Counter
 import attrs
 
 from ..engine import LockstepEngine, Span, StepOutput, StepPlan
-from ..lifecycle import LIVE_STATES, RESTING_STATES, TERMINAL_STATES, FinishReason, Oracle, RequestFSM, State, Trigger
+from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, length_reached, prompt_done
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import ModelSpec
 from .alone import ReferenceRuns, RequestDef
@@ -59,6 +59,7 @@ class OracleDriver:
     def __init__(self, spec: ModelSpec, max_slots: int, refs: ReferenceRuns, lifecycle: LifecycleSpec) -> None:
         self.spec, self.max_slots, self.refs = spec, max_slots, refs
         self.oracle = Oracle(lifecycle)
+        self.lifecycle, self.classes = lifecycle, lifecycle.classes
         self.requests: dict[str, Tracked] = {}
         self._free = list(range(max_slots))  # lowest free slot first, like the engine must
         self.steps = 0
@@ -79,7 +80,7 @@ class OracleDriver:
                 out.append((r.rid, r.prompt_len + r.frames))
             elif r.rid in gone or r.slot is None:
                 continue
-            elif r.state in TERMINAL_STATES:
+            elif r.state in self.classes.terminal:
                 out.append((r.rid, None))
             else:
                 out.append((r.rid, max(r.prompt_total - r.computed, 0)))
@@ -138,49 +139,52 @@ class OracleDriver:
             return
         exp.num_tokens += span.num_tokens
         r = self.requests[span.request_id]
-        fired: list[Trigger] = []
-
-        def fire(*triggers: Trigger) -> None:
-            for t in triggers:
-                self.oracle.fire(r.fsm, t)
-                fired.append(t)
-
-        published = False
-        if r.state in TERMINAL_STATES:
-            fire(Trigger.OVERRUN)
-        elif r.computed + span.num_tokens < r.prompt_total:
+        live = r.state in self.classes.live
+        done = prompt_done(r.computed, span.num_tokens, r.prompt_total)
+        if live:
             r.computed += span.num_tokens
-            fire(Trigger.PREFILL)
-        else:
-            r.computed += span.num_tokens
-            published = self._kept(r, fire, exp)
+        outcome = self._outcome(r) if live and done else {}
+        edges: list[tuple[Trigger, State]] = []  # every edge the row fired: (trigger, source)
+        for phase in Phase:
+            def facts(stage, fired, phase=phase) -> dict[Predicate, bool]:
+                if phase is Phase.SAMPLE:
+                    return {Predicate.PROMPT_DONE: done, Predicate.CB0_NONFINITE: outcome.get("cb0", False),
+                            Predicate.EOS_SAMPLED: outcome.get("eos", False)}
+                if phase is Phase.MTP:
+                    return {Predicate.MTP_NONFINITE: outcome.get("mtp", False)}
+                frames = r.frames + sum(self._publishes(e) for e in (*edges, *fired))  # counted once published
+                return {Predicate.LENGTH_REACHED: length_reached(
+                    frames, r.definition.max_frames, r.computed, self.spec.max_context)}
+
+            for edge in self.oracle.run_phase_edges(r.fsm, phase, facts):
+                edges.append(edge)
+        published = any(self._publishes(e) for e in edges)
+        if published:
+            exp.frames.append((r.rid, r.frames, self.refs.get(r.definition).frames[r.frames]))
+            r.frames += 1
+        for edge in edges:
+            reason = self.lifecycle.transition(*edge).reason
+            if reason is not FinishReason.NONE:
+                self._end(r, reason, exp)
         exp.valid.append(published)
-        exp.row_triggers.append((r.rid, tuple(fired)))
+        exp.row_triggers.append((r.rid, tuple(t for t, _ in edges)))
 
-    def _kept(self, r: Tracked, fire, exp: Expected) -> bool:
-        """A final prefill chunk or a decode row: what the alone run did at this frame index."""
+    def _publishes(self, edge) -> bool:
+        return self.lifecycle.transition(*edge).publishes
+
+    def _outcome(self, r: Tracked) -> dict[str, bool]:
+        """What the kept sample at the request's next frame index is, per the alone run."""
         f, run = r.frames, self.refs.get(r.definition)
         if f < len(run.frames):
-            fire(Trigger.SAMPLE, *((Trigger.MTP,) if self.spec.has_mtp else ()), Trigger.PUBLISH)
-            exp.frames.append((r.rid, f, run.frames[f]))
-            r.frames += 1
-            if r.frames >= r.definition.max_frames or r.computed >= self.spec.max_context:
-                fire(Trigger.FINISH_LENGTH)
-                self._end(r, FinishReason.LENGTH, exp)
-            return True
+            return {}
         if f > len(run.frames) or run.reason in (FinishReason.LENGTH, FinishReason.NONE):
             raise AssertionError(
                 f"oracle: request {r.rid!r} samples frame {f} but its alone run ended after "
                 f"{len(run.frames)} frames with reason {run.reason.label}"
             )
         if run.reason is FinishReason.EOS:
-            fire(Trigger.SAMPLE, Trigger.EOS)
-        elif run.error_kind == "cb0":
-            fire(Trigger.ABORT)  # non-finite backbone logits: the sample is never kept
-        else:
-            fire(Trigger.SAMPLE, Trigger.ABORT)  # non-finite MTP logits: noticed after the sample
-        self._end(r, run.reason, exp)
-        return False
+            return {"eos": True}
+        return {run.error_kind: True}
 
     def _end(self, r: Tracked, reason: FinishReason, exp: Expected) -> None:
         r.reason = reason
@@ -268,8 +272,9 @@ class OracleDriver:
         for slot in range(n):
             if slot not in owned and state[slot] != State.FREE:
                 raise AssertionError(f"slot {slot} owned by nobody is in state {State(state[slot]).label}")
-            if state[slot] not in RESTING_STATES:
+            if state[slot] in self.classes.in_step:
                 raise AssertionError(f"slot {slot} rests in within-step state {State(state[slot]).label}")
 
     def live(self) -> list[Tracked]:
-        return [r for r in self.requests.values() if r.slot is not None and r.state in LIVE_STATES]
+        return [r for r in self.requests.values() if r.slot is not None and r.state in self.classes.live]
+

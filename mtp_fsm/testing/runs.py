@@ -7,7 +7,6 @@ from typing import Callable, Iterable
 import torch
 
 from ..engine import LockstepEngine, NewRequest, Span, StepOutput, StepPlan
-from ..lifecycle import LIVE_STATES, State
 
 Frames = dict[str, list[tuple[int, tuple[int, ...]]]]
 
@@ -17,7 +16,7 @@ def next_rows(engine: LockstepEngine, chunk: int, order: Callable[[list[str]], l
     rows = []
     for rid, record in engine.ledger.records.items():
         engine.ledger.sync(record)
-        if record.slot is None or record.state not in LIVE_STATES:
+        if record.slot is None or record.state not in engine.ledger.live_states:
             continue
         left = record.prompt_len - record.num_computed
         rows.append(Span(rid, min(chunk, left) if left > 0 else 1))
@@ -74,7 +73,7 @@ def run_to_completion(
             reasons[fin.request_id] = fin.reason
             if fin.request_id in engine.ledger.records:
                 to_release.append(fin.request_id)
-        live = [r for r in engine.ledger.records.values() if engine.ledger.sync(r).state not in (State.FINISHED, State.ABORTED)]
+        live = [r for _, r in engine.ledger.all_records() if r.state not in engine.ledger.terminal_states]
         if not pending and not live and not to_release and not preempted:
             return frames, reasons
     raise RuntimeError(f"requests did not finish within {max_steps} steps")

@@ -27,7 +27,7 @@ from ..engine import LockstepEngine, NewRequest, Span, StepPlan
 from ..errors import (
     AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
 )
-from ..lifecycle import LIVE_STATES, TERMINAL_STATES, State, Trigger
+from ..lifecycle import State, Trigger
 from ..model_api import ModelSpec
 from ..sampling import GREEDY, SamplingParams
 from .alone import ModelFactory, RequestDef, reference_runs, scripted_mtp, scripted_single
@@ -102,6 +102,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         engine_kwargs.setdefault("kernels", "torch")
         self.engine = LockstepEngine(model_factory(), max_slots, **engine_kwargs)
         self.spec = self.engine.spec
+        self.classes = self.engine.lifecycle.classes
         self.refs = reference_runs(model_factory, **engine_kwargs)
         self.driver = OracleDriver(self.spec, max_slots, self.refs, self.engine.lifecycle)
         self.request_defs = (requests or scripted_requests)(self.spec)
@@ -150,10 +151,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.admitted += 1
 
     def _abortable(self):
-        return self._untouched(lambda r: r.state in LIVE_STATES or r.state is State.PREEMPTED)
+        return self._untouched(lambda r: r.state in self.classes.live or r.state is State.PREEMPTED)
 
     def _preemptable(self):
-        return self._untouched(lambda r: r.slot is not None and r.state in LIVE_STATES)
+        return self._untouched(lambda r: r.slot is not None and r.state in self.classes.live)
 
     def _resumable(self):
         if self._free_after_pending() <= 0:
@@ -161,7 +162,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         return self._untouched(lambda r: r.state is State.PREEMPTED)
 
     def _releasable(self):
-        return self._untouched(lambda r: r.slot is not None and r.state in TERMINAL_STATES)
+        return self._untouched(lambda r: r.slot is not None and r.state in self.classes.terminal)
 
     @precondition(lambda self: self._abortable())
     @rule(data=st.data())
@@ -278,7 +279,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if reqs and some is not None:
             rid = sorted(reqs)[0]
             out["duplicate id"] = (p.plan(new_requests=[some.new_request(rid)]), DuplicateRequestError, rid)
-        for rid in self._untouched(lambda r: r.slot is not None and r.state in LIVE_STATES)[:1]:
+        for rid in self._untouched(lambda r: r.slot is not None and r.state in self.classes.live)[:1]:
             out["release live"] = (p.plan(releases=[rid]), LifecycleError, rid)
             out["resume live"] = (p.plan(resumes=[rid]), LifecycleError, rid)
             r = reqs[rid]
@@ -287,7 +288,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             out["span too long"] = (p.plan([span]), PlanError, rid)
             out["row twice"] = (p.plan([Span(rid, 1), Span(rid, 1)]), PlanError, rid)
             out["abort and schedule"] = (p.plan([Span(rid, 1)], aborts=[rid]), PlanError, rid)
-        for rid in self._untouched(lambda r: r.state in TERMINAL_STATES)[:1]:
+        for rid in self._untouched(lambda r: r.state in self.classes.terminal)[:1]:
             out["abort terminal"] = (p.plan(aborts=[rid]), LifecycleError, rid)
             out["preempt terminal"] = (p.plan(preempts=[rid]), LifecycleError, rid)
         for rid in self._untouched(lambda r: r.state is State.PREEMPTED)[:1]:

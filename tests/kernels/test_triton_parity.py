@@ -3,7 +3,8 @@
 Each test builds a random slot table (mixed states incl. free / terminal / preempted and
 the within-step states, padding rows pointing at a random scratch row, arbitrary row
 order, stale serials, bad spans, float32 and bfloat16 embeddings), clones it, runs one
-stage through the reference and through Triton, and compares bit patterns (atol=0).
+stage through the reference and through Triton, and compares bit patterns (atol=0), for
+both lifecycle variants and for random rule tables (the chain executor is generic).
 On a CPU the kernels run under the Triton interpreter (tests/kernels/conftest.py).
 """
 
@@ -17,14 +18,17 @@ from hypothesis import given, settings, strategies as st
 pytest.importorskip("triton")
 
 from mtp_fsm.engine import LockstepEngine, NewRequest  # noqa: E402
+from mtp_fsm.kernels import contract  # noqa: E402
 from mtp_fsm.kernels import reference as REF  # noqa: E402
 from mtp_fsm.kernels import triton_kernels as TK  # noqa: E402
 from mtp_fsm.kernels.contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch  # noqa: E402
-from mtp_fsm.lifecycle import Trigger, compile_table, mtp_lifecycle, single_codebook_lifecycle  # noqa: E402
+from mtp_fsm.lifecycle import (  # noqa: E402
+    DeviceLifecycle, Phase, Predicate, State, Trigger, compile_lifecycle, mtp_lifecycle, single_codebook_lifecycle,
+)
 from mtp_fsm.model_api import ColumnSpec, ModelSpec  # noqa: E402
 from mtp_fsm.sampling import SamplingParams  # noqa: E402
 from mtp_fsm.slots import SlotTable  # noqa: E402
-from mtp_fsm.kernels.step_harness import lockstep_plans, scripted  # noqa: E402
+from mtp_fsm.gpu.step_harness import lockstep_plans, scripted  # noqa: E402
 from mtp_fsm.testing import ScriptInputs  # noqa: E402
 
 DEVICE = torch.device("cpu") if TK.interpreted() else torch.device("cuda")
@@ -36,7 +40,7 @@ H, Q, C, SLOTS, V0 = 8, 3, 12, 6, 37
 EOS = 34
 FAST = settings(max_examples=15, deadline=None, derandomize=True)
 MORE = settings(max_examples=40, deadline=None, derandomize=True)
-LIFECYCLES = {"mtp": compile_table(mtp_lifecycle()), "single": compile_table(single_codebook_lifecycle())}
+LIFECYCLES = {spec.name: compile_lifecycle(spec).to(DEVICE) for spec in (mtp_lifecycle(), single_codebook_lifecycle())}
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -69,7 +73,6 @@ def make_table(seed: int, dtype: torch.dtype, live_bias: tuple[int, ...] = ()) -
     t.num_frames.copy_(_ints(g, 0, C + 2, r))
     t.max_frames.copy_(_ints(g, 1, C + 2, r))
     t.finish_reason.copy_(_ints(g, 0, 6, r, dtype=torch.int32))
-    t.last_cb0.copy_(_ints(g, 0, 40, r))
     t.frame_embed.copy_(_rand(g, r, H, dtype=dtype))
     t.frame_codes.copy_(_ints(g, 0, 30, r, Q))
     t.frame_log.copy_(_ints(g, 0, 30, r, C, Q))
@@ -175,7 +178,21 @@ def test_same_stage_names_signatures_and_output_layout():
     for name in STAGES:
         assert str(inspect.signature(getattr(TK, name))) == str(inspect.signature(getattr(REF, name))), name
     for name in ("OUT_VALID", "OUT_FRAME_INDEX", "OUT_STATE", "OUT_REASON", "OUT_ERROR", "OUT_NUM_FRAMES", "OUT_CODES"):
-        assert getattr(TK, name) == getattr(REF, name)
+        assert getattr(TK, name) == getattr(contract, name)
+
+
+def test_no_kernel_names_a_trigger_or_a_state():
+    """The lifecycle reaches the kernels as data: no trigger / state / finish-reason
+    constants in the Triton sources."""
+    import inspect
+    import re
+
+    from mtp_fsm.kernels import triton_common, triton_stages
+
+    for module in (triton_common, triton_stages, TK):
+        src = inspect.getsource(module)
+        for pattern in (r"\b(Trigger|State|FinishReason)\b(?!-)", r"\b[STR]_[A-Z]"):
+            assert not re.search(pattern, src), (module.__name__, pattern, re.search(pattern, src))
 
 
 # -- one test per stage ----------------------------------------------------------------
@@ -191,15 +208,15 @@ def test_apply_host_events(seed, dtype, life):
     trig = torch.tensor(host + [-1, int(Trigger.SAMPLE)])[_ints(g, 0, 7, n, 2)]
     events = StagedEvents(torch.randperm(SLOTS, generator=g)[:n].to(DEVICE), trig.to(DEVICE),
                           _ints(g, 0, 6, n, dtype=torch.int32).to(DEVICE))
-    trans = LIFECYCLES[life].to(DEVICE)
-    REF.apply_host_events(ref, trans, events)
-    TK.apply_host_events(tri, trans, events)
+    lc = LIFECYCLES[life]
+    REF.apply_host_events(ref, lc, events)
+    TK.apply_host_events(tri, lc, events)
     assert_tables(ref, tri)
 
 
 @FAST
-@given(st.integers(0, 2**31), DTYPES, st.sampled_from(["all", "some", "cast"]))
-def test_apply_admits(seed, dtype, which):
+@given(st.integers(0, 2**31), DTYPES, st.sampled_from(["all", "some", "cast"]), st.sampled_from(list(LIFECYCLES)))
+def test_apply_admits(seed, dtype, which, life):
     ref, tri = both(seed, dtype)
     g = torch.Generator().manual_seed(seed + 2)
     a = int(_ints(g, 1, SLOTS + 1, 1))
@@ -216,10 +233,10 @@ def test_apply_admits(seed, dtype, which):
         if which == "cast" and name in ("prompt_embeds", "serial", "cb0_top_p", "flag"):
             dt = {torch.int64: torch.int32, torch.bool: torch.int64}.get(dt, torch.float64)
         values[name] = v.to(dt).to(DEVICE)
-    admits = StagedAdmits(slots.to(DEVICE), values)
-    trans = LIFECYCLES["mtp"].to(DEVICE)
-    REF.apply_admits(ref, trans, admits)
-    TK.apply_admits(tri, trans, admits)
+    admits = StagedAdmits(slots.to(DEVICE), values, trigger=int(Trigger.ADMIT))
+    lc = LIFECYCLES[life]
+    REF.apply_admits(ref, lc, admits)
+    TK.apply_admits(tri, lc, admits)
     assert_tables(ref, tri)
 
 
@@ -239,13 +256,14 @@ def test_replay_frames(seed, dtype, model_dtype):
 
 
 @MORE
-@given(st.integers(0, 2**31), DTYPES, DTYPES, st.integers(1, 7), st.booleans())
-def test_compose_inputs(seed, dtype, model_dtype, rows, pad_tokens):
+@given(st.integers(0, 2**31), DTYPES, DTYPES, st.integers(1, 7), st.booleans(), st.sampled_from(list(LIFECYCLES)))
+def test_compose_inputs(seed, dtype, model_dtype, rows, pad_tokens, life):
     ref, tri = both(seed, dtype, live_bias=(1, 2, 3))
     batch = make_batch(seed, ref, rows, pad_tokens)
     toy = Toy(model_dtype)
-    out_ref = REF.compose_inputs(ref, batch, toy.text_step)
-    out_tri = TK.compose_inputs(tri, batch, toy.text_step)
+    lc = LIFECYCLES[life]
+    out_ref = REF.compose_inputs(ref, lc, batch, toy.text_step)
+    out_tri = TK.compose_inputs(tri, lc, batch, toy.text_step)
     assert_same(out_ref, out_tri, "compose outputs")
     assert_tables(ref, tri)
 
@@ -280,9 +298,9 @@ def test_sample_cb0(seed, dtype, logit_dtype, rows, filters, use_allowed, life):
         allowed[EOS] = True
         allowed = allowed.to(DEVICE)
     eos = EOS if float(torch.rand(1, generator=g)) < 0.8 else None
-    trans = LIFECYCLES[life].to(DEVICE)
-    tok_ref = REF.sample_cb0(ref, trans, batch, logits, eos_token_id=eos, allowed=allowed)
-    tok_tri = TK.sample_cb0(tri, trans, batch, logits, eos_token_id=eos, allowed=allowed)
+    lc = LIFECYCLES[life]
+    tok_ref = REF.sample_cb0(ref, lc, batch, logits, eos_token_id=eos, allowed=allowed)
+    tok_tri = TK.sample_cb0(tri, lc, batch, logits, eos_token_id=eos, allowed=allowed)
     assert_same(tok_ref, tok_tri, "cb0 tokens")
     assert_tables(ref, tri)
 
@@ -304,15 +322,15 @@ def test_mtp_sampler(seed, logit_dtype, rows, filters, vocab):
 
 
 @FAST
-@given(st.integers(0, 2**31), DTYPES, st.integers(1, 7))
-def test_mtp_scatter(seed, dtype, rows):
+@given(st.integers(0, 2**31), DTYPES, st.integers(1, 7), st.sampled_from(list(LIFECYCLES)))
+def test_mtp_scatter(seed, dtype, rows, life):
     ref, tri = both(seed, dtype, live_bias=(4, 4, 5))
     batch = make_batch(seed, ref, rows)
     g = torch.Generator().manual_seed(seed + 6)
     bad = (torch.rand(rows, generator=g) < 0.3).to(DEVICE)
-    trans = LIFECYCLES["mtp"].to(DEVICE)
-    REF.mtp_scatter(ref, trans, batch, bad)
-    TK.mtp_scatter(tri, trans, batch, bad)
+    lc = LIFECYCLES[life]
+    REF.mtp_scatter(ref, lc, batch, bad)
+    TK.mtp_scatter(tri, lc, batch, bad)
     assert_tables(ref, tri)
 
 
@@ -324,9 +342,67 @@ def test_publish_frames(seed, dtype, model_dtype, rows, life):
     g = torch.Generator().manual_seed(seed + 7)
     codes = _ints(g, 0, 30, rows, Q).to(DEVICE)
     embeds = _rand(g, rows, H, dtype=model_dtype, scale=3.0).to(DEVICE)
-    trans = LIFECYCLES[life].to(DEVICE)
-    out_ref = REF.publish_frames(ref, trans, batch, codes, embeds)
-    out_tri = TK.publish_frames(tri, trans, batch, codes, embeds)
+    lc = LIFECYCLES[life]
+    out_ref = REF.publish_frames(ref, lc, batch, codes, embeds)
+    out_tri = TK.publish_frames(tri, lc, batch, codes, embeds)
+    assert_same(out_ref, out_tri, "packed output")
+    assert_tables(ref, tri)
+
+
+# -- the chain executor on random rule tables ----------------------------------------------
+
+
+def random_lifecycle(seed: int) -> DeviceLifecycle:
+    """Rules and chains no spec would declare (guards that overlap, several triggers firing
+    in one stage, padding in the middle of a chain, total and partial stages, reasons and
+    publishing edges anywhere): the generic executors must still agree bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    nt, ns = len(Trigger), len(State)
+    words = 1 << len(Predicate)
+    dest = torch.where(torch.rand(nt, ns, generator=g) < 0.45, _ints(g, 0, ns, nt, ns), -1)
+    must = _ints(g, 0, words, nt, ns) & _ints(g, 0, words, nt, ns)  # sparse masks
+    must_not = _ints(g, 0, words, nt, ns) & _ints(g, 0, words, nt, ns) & ~must
+    reason = torch.where(torch.rand(nt, ns, generator=g) < 0.4, _ints(g, 1, 6, nt, ns), 0)
+    publishes = (torch.rand(nt, ns, generator=g) < 0.3).long()
+    rules = torch.stack([dest, must, must_not, reason, publishes]).int().contiguous()
+    state_class = _ints(g, 0, 16, ns, dtype=torch.int32)
+    chains, host = {}, {}
+    for phase in Phase:
+        stages, width = int(_ints(g, 1, 4, 1)), int(_ints(g, 1, 5, 1))
+        table = torch.full((stages, 1 + width), -1, dtype=torch.int32)
+        chain = []
+        for i in range(stages):
+            total = bool(torch.rand(1, generator=g) < 0.5)
+            trig = torch.where(torch.rand(width, generator=g) < 0.2, -1, torch.randperm(nt, generator=g)[:width])
+            table[i, 0] = int(total)
+            table[i, 1:] = trig
+            chain.append((total, tuple(int(t) for t in trig if t >= 0)))
+        chains[phase], host[phase] = table.to(DEVICE), tuple(chain)
+    return DeviceLifecycle(rules.to(DEVICE), state_class.to(DEVICE), chains, host)
+
+
+@FAST
+@given(st.integers(0, 2**31), st.integers(1, 7), st.booleans())
+def test_chain_executor_on_random_rules(seed, rows, eos_hot):
+    """sample_cb0, mtp_scatter and publish_frames with random rules and chains."""
+    lc = random_lifecycle(seed)
+    ref, tri = both(seed, torch.float32, live_bias=(1, 2, 3, 4, 5))
+    batch = make_batch(seed, ref, rows)
+    g = torch.Generator().manual_seed(seed + 8)
+    logits = _logits(g, rows, V0, torch.float32)
+    if eos_hot:
+        logits[:, EOS] = 50.0
+    for table, k in ((ref, REF), (tri, TK)):
+        k.sample_cb0(table, lc, batch, logits, eos_token_id=EOS, allowed=None)
+    assert_tables(ref, tri)
+    bad = (torch.rand(rows, generator=g) < 0.4).to(DEVICE)
+    REF.mtp_scatter(ref, lc, batch, bad)
+    TK.mtp_scatter(tri, lc, batch, bad)
+    assert_tables(ref, tri)
+    codes = _ints(g, 0, 30, rows, Q).to(DEVICE)
+    embeds = _rand(g, rows, H, scale=3.0).to(DEVICE)
+    out_ref = REF.publish_frames(ref, lc, batch, codes, embeds)
+    out_tri = TK.publish_frames(tri, lc, batch, codes, embeds)
     assert_same(out_ref, out_tri, "packed output")
     assert_tables(ref, tri)
 
@@ -521,10 +597,10 @@ def test_backend_selector_explains_why_triton_cannot_run(block, expected):
 
 
 def test_gpu_check_without_cuda_exits_cleanly(capsys):
-    from mtp_fsm.kernels import gpu_check
+    from mtp_fsm.gpu import gpu_check
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: run `python -m mtp_fsm.kernels.gpu_check` instead")
+        pytest.skip("a GPU is present: run `python -m mtp_fsm.gpu.gpu_check` instead")
     assert gpu_check.main([]) == 0
     assert gpu_check.main(["--require-gpu"]) == 2
     assert "no CUDA device" in capsys.readouterr().out

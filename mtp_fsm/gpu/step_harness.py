@@ -2,9 +2,10 @@
 buckets with persistent StepBatch buffers (captured as CUDA graphs on a GPU), and labels
 for launch counting.
 
-Uses engine internals (ledger.stage, _run_device_stages / _run_rows,
-_build_output): the engine does not yet own static step buffers, so the padded buckets
-are built here (see PaddedStep for what the engine would need to own).
+Drives the engine through its public step phases: `engine.stage(plan) -> HostStep`,
+`engine.run_device(host) -> packed`, `engine.finish(host, packed) -> StepOutput`. The
+engine does not yet own static step buffers, so the padded buckets are built here (see
+PaddedStep for what the engine would need to own).
 """
 
 from __future__ import annotations
@@ -60,26 +61,15 @@ def qwen_requests(inputs_cls, n: int):
             for i in range(n)]
 
 
-# -- one engine step, with the device stages swappable -----------------------------------------
+# -- one engine step, with the device phase swappable ------------------------------------------
 
 
-def device_stages(engine, host) -> torch.Tensor:
-    """The engine's device half of a step (boundary events/admits, then the rows)."""
-    return engine._run_device_stages(host)
-
-
-def finish(engine, host, packed: torch.Tensor):
-    """The host half of LockstepEngine.step for a packed output [rows + 1, width]."""
-    packed = packed.to("cpu")
-    engine.step_count += 1
-    return engine._build_output(host, packed.numpy(), packed)
-
-
-def step_with(engine, plan, stages=None):
-    host = engine.ledger.stage(plan)
-    with torch.inference_mode():
-        packed = stages(host) if stages else device_stages(engine, host)
-    return finish(engine, host, packed)
+def step_with(engine, plan, device_phase=None):
+    """LockstepEngine.step through its public phases, `device_phase(host) -> packed`
+    standing in for engine.run_device when given (e.g. wrapped in a sync check)."""
+    host = engine.stage(plan)
+    packed = device_phase(host) if device_phase else engine.run_device(host)
+    return engine.finish(host, packed)
 
 
 def lockstep_plans(lead, pending: list, state: dict, *, chunk: int = 3, preempt_at=(6, 13), abort_at=(9,)):
@@ -153,8 +143,7 @@ class PaddedStep:
         self.out: torch.Tensor | None = None
 
     def run_eager(self) -> torch.Tensor:
-        with torch.inference_mode():
-            return device_stages(self.engine, self.host)
+        return self.engine.run_device(self.host)
 
     def capture(self) -> None:
         """Warm up (compiles every kernel variant) and capture, while every row is padding
@@ -167,7 +156,7 @@ class PaddedStep:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph):
-            self.out = device_stages(self.engine, self.host)
+            self.out = self.engine.run_device(self.host)
 
     def load(self, batch) -> int:
         """Copy a decode-only StepBatch (one token per real row) into the bucket buffers."""
@@ -206,16 +195,15 @@ class PaddedEngine:
 
     def step(self, plan):
         decode = all(s is None or s.num_tokens == 1 for s in plan.rows)
-        host = self.engine.ledger.stage(plan)
+        host = self.engine.stage(plan)
         if decode and host.events is None and host.admits is None and host.batch.num_tokens:
             ps = self.stepper(host.batch.num_rows, (host.batch.cb0_filters, host.batch.mtp_filters))
             if ps is not None:
                 n = ps.load(host.batch)
                 out = ps.replay() if self.use_graphs else ps.run_eager()
                 self.padded_steps += 1
-                return finish(self.engine, host, torch.cat([out[:n], out[-1:]]))
-        with torch.inference_mode():
-            return finish(self.engine, host, device_stages(self.engine, host))
+                return self.engine.finish(host, torch.cat([out[:n], out[-1:]]))
+        return self.engine.finish(host, self.engine.run_device(host))
 
 
 def decode_plan(engine):

@@ -1,4 +1,4 @@
-"""GPU checks of the Triton backend: `python -m mtp_fsm.kernels.gpu_check`.
+"""GPU checks of the Triton backend: `python -m mtp_fsm.gpu.gpu_check`.
 
 On a CUDA machine:
 1. parity: one schedule (chunked prefill, EOS, NaN aborts, preempt + resume, abort,
@@ -33,8 +33,8 @@ from collections import Counter
 import torch
 
 from .step_harness import (
-    Labeled, PaddedEngine, PaddedStep, admitted_engine, decode_plan, device_stages, finish, label_model,
-    lockstep_plans, outputs_equal, qwen, qwen_requests, scripted, scripted_requests, step_with, tables_equal,
+    Labeled, PaddedEngine, PaddedStep, admitted_engine, decode_plan, label_model, lockstep_plans, outputs_equal,
+    qwen, qwen_requests, scripted, scripted_requests, step_with, tables_equal,
 )
 
 RESULTS: list[tuple[str, str, str]] = []
@@ -100,12 +100,12 @@ def graph_bucket(label, make, make_requests, bucket, device, steps, timing, use_
         if not plan.rows:
             break
         if use_graphs:
-            host = eager.ledger.stage(plan)
+            host = eager.stage(plan)
             ps = driver.stepper(host.batch.num_rows, (host.batch.cb0_filters, host.batch.mtp_filters))
             twin = PaddedStep(eager, ps.bucket, (ps.batch.cb0_filters, ps.batch.mtp_filters))
             n = twin.load(host.batch)
             out = twin.run_eager()
-            out_a = finish(eager, host, torch.cat([out[:n], out[-1:]]))
+            out_a = eager.finish(host, torch.cat([out[:n], out[-1:]]))
         else:
             out_a = eager.step(plan)
         out_b = driver.step(plan)
@@ -129,7 +129,7 @@ def time_bucket(make, rows: int, bucket: int, device, iters: int = 20) -> dict:
     out["engine.step"] = (time.perf_counter() - t) / iters * 1e3
     ps = PaddedStep(engine, bucket, (True, True))
     ps.capture()
-    ps.load(engine.ledger.stage(decode_plan(engine)).batch)  # the device state runs ahead of the ledger from here
+    ps.load(engine.stage(decode_plan(engine)).batch)  # the device state runs ahead of the ledger from here
     for name, fn in (("eager stages", ps.run_eager), ("graph replay", ps.replay)):
         fn()
         torch.cuda.synchronize()
@@ -164,11 +164,11 @@ def run_sync_check(name: str, make_model, requests, device, kernels: str, slots:
     engine = LockstepEngine(make_model(), slots, device=device, kernels=kernels)
     pending, state, steps = list(requests), {}, 0
 
-    def stages(host):
+    def run_device(host):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return device_stages(engine, host)
+            return engine.run_device(host)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
@@ -177,7 +177,7 @@ def run_sync_check(name: str, make_model, requests, device, kernels: str, slots:
             plan, done = lockstep_plans(engine, pending, state)
             if done:
                 break
-            step_with(engine, plan, stages)
+            step_with(engine, plan, run_device)
     except Exception as exc:
         where = "".join(traceback.format_exception(exc)[-4:-1]).strip().splitlines()
         record(f"no host sync {name} [{kernels}]", False if expect else None,
@@ -194,13 +194,12 @@ def count_launches(engine) -> Counter:
     """Kernel launches of one decode step's device stages, by innermost stage/model label."""
     from torch.profiler import ProfilerActivity, profile
 
-    host = engine.ledger.stage(decode_plan(engine))
+    host = engine.stage(decode_plan(engine))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with torch.inference_mode():
-            packed = device_stages(engine, host)
+        packed = engine.run_device(host)
         torch.cuda.synchronize()
-    finish(engine, host, packed)
+    engine.finish(host, packed)
     events = list(prof.events())
     counts: Counter = Counter()
     for evt in events:  # kernels (and memsets / copies) are attached to the innermost torch op or range
@@ -265,7 +264,7 @@ def summary(timing: dict) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mtp_fsm.kernels.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mtp_fsm.gpu.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--require-gpu", action="store_true", help="exit 2 when no CUDA device is present")
     parser.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)), help="padded batch buckets")
     parser.add_argument("--steps", type=int, default=6, help="decode steps per bucket")
@@ -286,7 +285,7 @@ def main(argv=None) -> int:
             return 2
         device = torch.device("cuda")
     try:
-        from . import triton_kernels
+        from ..kernels import triton_kernels
     except ImportError as exc:
         print(f"gpu_check: the Triton backend cannot be imported: {exc}")
         return 2 if (args.require_gpu or args.cpu_dry_run) else 0

@@ -1,0 +1,196 @@
+"""A deliberately simple per-request reference: one request, one step at a time, plain torch + the spec."""
+
+from __future__ import annotations
+
+import torch
+
+from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Transition, Trigger
+from ..lifecycle import length_reached, prompt_done
+from ..lifecycle.spec import LifecycleSpec
+from ..model_api import PreparedPrompt, TalkerModel
+from ..sampling import SamplingParams
+from ..sampling.noise import gumbel_noise, row_key
+from ..sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables
+from .alone import AloneRun, RequestDef
+
+NEG_INF = float("-inf")
+# The non-finite predicate an error edge requires says which model output ended the request.
+_ERROR_KINDS = {Predicate.CB0_NONFINITE: "cb0", Predicate.MTP_NONFINITE: "mtp"}
+
+
+# -- the sampler: one row, written from the documented contract (sampler.py, topp.py) --------
+
+
+def _topp_weight(gap: torch.Tensor) -> torch.Tensor:
+    """Fixed-point exp(-gap) for float32 gaps (max - score) >= 0, NaN / huge -> 0 weight."""
+    hi, lo = fixed_tables(gap.device)
+    q = gap * float(FX_STEP)  # a power of two: exact in float32
+    q = torch.where(torch.isnan(q), float(FX_LIMIT), q.clamp(max=float(FX_LIMIT))).to(torch.int64)
+    return (hi[q >> 6] * lo[q & 63]) >> 24
+
+
+def kept_ids(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Bool [V]: ids surviving top-k then top-p on one float32 score row."""
+    vocab = scores.shape[0]
+    ordered = torch.sort(scores, descending=True).values
+    kth = ordered[min(top_k, vocab) - 1] if top_k > 0 else ordered[-1]
+    p32 = torch.tensor(top_p, dtype=torch.float32)  # the engine stores top_p as float32
+    if p32 >= 1.0:
+        return scores >= kth
+    # The mass lives on the top-k survivors only; -inf weighs nothing.
+    ordered = torch.where(ordered >= kth, ordered, NEG_INF)
+    weights = torch.where(ordered > NEG_INF, _topp_weight(ordered[0] - ordered), 0)
+    total = int(weights.sum())
+    p_fx = int(torch.floor(p32 * FX_ONE))
+    # Smallest descending prefix whose mass before each kept position is < top_p (exact ints).
+    count, before = 0, 0
+    for w, s in zip(weights.tolist(), ordered.tolist()):
+        if s == NEG_INF or before * FX_ONE >= p_fx * total:
+            break
+        count, before = count + 1, before + w
+    threshold = ordered[max(count, 1) - 1]
+    # Ties with the last kept score are kept too (the rule is a score threshold).
+    return scores >= torch.maximum(threshold, kth)
+
+
+def sample_row(
+    logits: torch.Tensor, params: SamplingParams, seed: int, frame_index: int, codebook: int,
+    allowed: torch.Tensor | None = None,
+) -> tuple[int, bool]:
+    """(token, non-finite) for one 1-D logits row under one request's parameters."""
+    x = logits.float()
+    bad = not bool(torch.isfinite(x).all())
+    x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # a bad row still yields some token
+    if allowed is not None:
+        x = x.masked_fill(~allowed, NEG_INF)
+    temperature = torch.tensor(params.temperature, dtype=torch.float32)
+    if temperature <= 0:
+        return int(torch.argmax(x)), bad  # greedy ignores top-k / top-p and the noise
+    scores = x / temperature
+    scores = scores.masked_fill(~kept_ids(scores, params.top_k, params.top_p), NEG_INF)
+    key = row_key(torch.tensor([seed], dtype=torch.int64), torch.tensor([frame_index]), codebook)
+    noise = gumbel_noise(key, x.shape[0])[0]
+    return int(torch.argmax(scores + noise)), bad  # argmax: ties to the lowest id
+
+
+# -- the lifecycle walk ---------------------------------------------------------------------
+
+
+class _Walk:
+    """One request's FSM plus the edges it fired, driven stage by stage through the oracle."""
+
+    def __init__(self, spec: LifecycleSpec) -> None:
+        self.spec = spec
+        self.oracle = Oracle(spec)
+        self.fsm: RequestFSM = self.oracle.new("interpreted")
+        self.oracle.fire(self.fsm, Trigger.ADMIT)
+        self.reason, self.error_kind = FinishReason.NONE, None
+
+    @property
+    def state(self) -> State:
+        return self.fsm.code
+
+    def phase(self, phase: Phase, facts_for) -> list[Transition]:
+        """Oracle.run_phase's loop, keeping each fired edge's declaration (looked up by its
+        source): facts_for(edges fired so far) gives each stage's predicates."""
+        edges: list[Transition] = []
+        for stage in self.spec.stages_of(phase):
+            source = self.state
+            trigger = self.oracle.run_stage(self.fsm, stage, facts_for(edges))
+            if trigger is None:
+                continue
+            edge = self.spec.transition(trigger, source)
+            edges.append(edge)
+            if edge.reason is not FinishReason.NONE:  # the last recorded reason is the request's
+                when = edge.guard.resolved()[0] if edge.guard is not None else ()
+                kinds = [_ERROR_KINDS[p] for p in when if p in _ERROR_KINDS]
+                self.reason = edge.reason
+                self.error_kind = kinds[0] if edge.reason is FinishReason.ERROR and kinds else None
+        return edges
+
+
+def _bind_one_slot(model: TalkerModel, prepared: PreparedPrompt, device: torch.device) -> dict[str, torch.Tensor]:
+    """Model columns for slot 0 (+ the scratch row 1), as the slot table would hold them."""
+    columns = {}
+    for name, cs in model.slot_columns().items():
+        col = torch.full((2, *cs.shape), cs.fill, dtype=cs.dtype, device=device)
+        value = prepared.columns.get(name)
+        if value is not None:
+            col[0][tuple(slice(0, n) for n in value.shape)] = value.to(device=device, dtype=cs.dtype)
+        columns[name] = col
+    model.bind_slots(1, device, columns)
+    return columns
+
+
+def interpret(model: TalkerModel, lifecycle_spec: LifecycleSpec, definition: RequestDef) -> AloneRun:
+    """Run one request to its end; frames, finish reason and error kind as `run_alone` reports."""
+    with torch.inference_mode():
+        return _interpret(model, lifecycle_spec, definition)
+
+
+def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneRun:
+    spec = model.spec
+    walk = _Walk(life)
+    prepared = model.prepare(d.inputs)
+    prompt = prepared.prompt_embeds.to(spec.dtype)  # the slot table stores prompts in spec.dtype
+    device, prompt_len = prompt.device, int(prompt.shape[0])
+    columns = _bind_one_slot(model, prepared, device)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    model.reset_slots(slot)
+    allowed = torch.arange(spec.backbone_vocab_size, device=device) < spec.codebook_size
+    if spec.eos_token_id is not None:
+        allowed[spec.eos_token_id] = True
+    has_mtp_stage = bool(life.stages_of(Phase.MTP))
+
+    frames: list[tuple[int, ...]] = []
+    # Before any publish the engine's frame cache row is zeros (only a mutated spec gets there).
+    last_embed = torch.zeros(1, spec.hidden_size, dtype=spec.dtype, device=device)
+    computed = 0
+    for _ in range(spec.max_context + 2):
+        if computed < prompt_len:  # the whole (rest of the) prompt in one step
+            inputs = prompt[computed:]
+        else:  # the last published frame + the text step of that frame
+            frame_index = torch.tensor([max(len(frames) - 1, 0)], device=device)
+            inputs = last_embed + model.text_step(columns, slot, frame_index).to(spec.dtype)
+        scheduled = int(inputs.shape[0])
+        positions = torch.arange(computed, computed + scheduled, device=device)
+        hidden = model.forward(inputs, positions, torch.zeros(scheduled, dtype=torch.int64, device=device))[-1:]
+        logits = model.cb0_logits(hidden)[0]
+        cb0, cb0_bad = sample_row(logits, d.cb0, d.seed, len(frames), 0, allowed)
+        sample_facts = {
+            Predicate.PROMPT_DONE: prompt_done(computed, scheduled, prompt_len),
+            Predicate.CB0_NONFINITE: cb0_bad,
+            Predicate.EOS_SAMPLED: spec.eos_token_id is not None and cb0 == spec.eos_token_id,
+        }
+        computed += scheduled
+        walk.phase(Phase.SAMPLE, lambda fired: sample_facts)
+
+        codes = torch.tensor([[cb0]], dtype=torch.int64, device=device)
+        if walk.state in life.classes.in_step and has_mtp_stage:
+            mtp_bad = [False]
+
+            def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
+                tokens = []
+                for row in logits:
+                    token, bad = sample_row(row, d.mtp, d.seed, len(frames), codebook)
+                    mtp_bad[0] |= bad
+                    tokens.append(token)
+                return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+
+            codes = model.mtp(hidden, codes[:, 0].clamp(0, spec.codebook_size - 1), sample)
+            walk.phase(Phase.MTP, lambda fired: {Predicate.MTP_NONFINITE: mtp_bad[0]})
+
+        def publish_facts(fired: list[Transition]) -> dict[Predicate, bool]:
+            # A frame counts toward the budget once a publishing edge of this phase fired.
+            published = len(frames) + any(e.publishes for e in fired)
+            return {Predicate.LENGTH_REACHED: length_reached(published, d.max_frames, computed, spec.max_context)}
+
+        if any(e.publishes for e in walk.phase(Phase.PUBLISH, publish_facts)):
+            frames.append(tuple(int(c) for c in codes[0]))
+            last_embed = model.frame_embed(codes).to(spec.dtype)
+        if walk.state in life.classes.in_step:
+            raise AssertionError(f"spec {life.name!r} left the request resting in {walk.state.label}")
+        if walk.state in life.classes.terminal:
+            return AloneRun(tuple(frames), walk.reason, walk.error_kind)
+    raise AssertionError(f"interpreted request {d} never finished")
+
