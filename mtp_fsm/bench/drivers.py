@@ -95,7 +95,8 @@ class _PerRequestDriver:
         self.requests = list(requests)
         # The model's own slot columns (text keys, ...), as the engine's slot table holds them.
         n = len(requests)
-        self.columns = {k: torch.full((n + 1, *c.shape), c.fill, dtype=c.dtype) for k, c in model.slot_columns().items()}
+        self.columns = {name: torch.full((n + 1, *c.shape), c.fill, dtype=c.dtype)
+                        for name, c in model.slot_columns().items()}
         model.bind_slots(n, torch.device("cpu"), self.columns)
         self.cb0_sampler = RowSampler(self.spec.backbone_vocab_size)
         self.mtp_sampler = RowSampler(self.spec.codebook_size)
@@ -118,6 +119,7 @@ class _PerRequestDriver:
         rows = [rid for rid in self.rows if self.state_of(rid) in self.classes.live]
         if not rows:
             return []
+        reqs = [self.bench_request(rid) for rid in rows]
         # Compose inputs: the remaining prompt for prefill rows, frame embed + text step for decode.
         inputs, positions, token_slots, last, text_rows, scheduled = [], [], [], [], [], []
         for rid in rows:
@@ -143,8 +145,8 @@ class _PerRequestDriver:
         last_hidden = hidden[torch.tensor(last)]
         logits = self.model.cb0_logits(last_hidden)
         cb0 = torch.stack([
-            self.cb0_sampler(logits[i], self.cb0_params(rid), self.seed(rid), self.num_frames(rid), 0, self.cb0_banned)
-            for i, rid in enumerate(rows)
+            self.cb0_sampler(logits[i], req.cb0, req.seed, self.num_frames(rid), 0, self.cb0_banned)
+            for i, (rid, req) in enumerate(zip(rows, reqs))
         ])
         # The host needs each row's CB0 (EOS) and logits health: one copy of each.
         cb0_list, cb0_bad = cb0.tolist(), (~torch.isfinite(logits).all(-1)).tolist()
@@ -162,8 +164,8 @@ class _PerRequestDriver:
             def sample(mtp_logits: torch.Tensor, codebook: int) -> torch.Tensor:
                 mtp_bad.logical_or_(~torch.isfinite(mtp_logits).all(-1))
                 return torch.stack([
-                    self.mtp_sampler(mtp_logits[i], self.mtp_params(rid), self.seed(rid), self.num_frames(rid), codebook)
-                    for i, rid in enumerate(rows)
+                    self.mtp_sampler(mtp_logits[i], req.mtp, req.seed, self.num_frames(rid), codebook)
+                    for i, (rid, req) in enumerate(zip(rows, reqs))
                 ])
 
             codes = self.model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
@@ -173,18 +175,18 @@ class _PerRequestDriver:
             codes = cb0[:, None]  # single codebook: CB0 is the whole frame, no MTP stages
         embeds = self.model.frame_embed(codes)
         codes_list = codes.tolist()
-        published = []
-        for i, rid in enumerate(rows):
-            index, limit, computed = self.num_frames(rid), self.max_frames(rid), self.computed(rid)
+        published, max_context = [], self.spec.max_context
+        for i, (rid, req) in enumerate(zip(rows, reqs)):
+            index, limit, computed = self.num_frames(rid), req.max_frames, self.computed(rid)
 
             def facts(frames: int) -> dict:  # a stage after a publishing edge sees the frame counted
-                return {Predicate.LENGTH_REACHED: length_reached(index + frames, limit, computed, self.spec.max_context)}
+                return {Predicate.LENGTH_REACHED: length_reached(index + frames, limit, computed, max_context)}
 
             if self.run_phase(rid, Phase.PUBLISH, facts):
                 self.on_frame(rid, embeds[i])
                 published.append((rid, index, tuple(codes_list[i])))
             if self.state_of(rid) in self.classes.in_step:
-                raise RuntimeError(f"request {rid!r} ends the step in in-step state {self.state_of(rid).label!r}")
+                raise RuntimeError(f"request {rid!r} ends the step in state {State(self.state_of(rid)).label!r}")
         return published
 
     @staticmethod
@@ -276,20 +278,11 @@ class TransitionsDriver(_PerRequestDriver):
     def num_frames(self, rid):
         return self.reqs[rid].num_frames
 
-    def max_frames(self, rid):
-        return self.reqs[rid].req.max_frames
-
     def frame_embed(self, rid):
         return self.reqs[rid].frame_embed
 
-    def seed(self, rid):
-        return self.reqs[rid].req.seed
-
-    def cb0_params(self, rid):
-        return self.reqs[rid].req.cb0
-
-    def mtp_params(self, rid):
-        return self.reqs[rid].req.mtp
+    def bench_request(self, rid):
+        return self.reqs[rid].req
 
 
 # -- (3) per-request Python loop over slot/request-keyed dicts ---------------------------
@@ -304,13 +297,10 @@ class DictLoopDriver(_PerRequestDriver):
 
     def __init__(self, model: TalkerModel, requests: Sequence[BenchRequest]) -> None:
         super().__init__(model, requests)
-        rules = compile_lifecycle(self.lifecycle).rules.tolist()
+        rules = compile_lifecycle(self.lifecycle).rules
         # {(trigger, state): (dest, must, must_not, reason, publishes)} for declared edges only.
-        self.rules = {
-            (t, s): tuple(plane[t][s] for plane in rules)
-            for t in range(len(rules[RULE_DEST])) for s in range(len(rules[RULE_DEST][t]))
-            if rules[RULE_DEST][t][s] != ILLEGAL
-        }
+        declared = (rules[RULE_DEST] != ILLEGAL).nonzero().tolist()
+        self.rules = {(t, s): tuple(rules[:, t, s].tolist()) for t, s in declared}
         self.chains = {p: tuple((st.total, tuple(map(int, st.triggers))) for st in self.lifecycle.stages_of(p))
                        for p in Phase}
         self.req_slot: dict[str, int] = {}
@@ -327,7 +317,7 @@ class DictLoopDriver(_PerRequestDriver):
         rid = req.request_id
         if slot in self.slot_req:
             raise RuntimeError(f"slot {slot} still owned by {self.slot_req[slot]!r}")
-        rule = self.rules.get((Trigger.ADMIT, State.FREE))  # the host decides admission
+        rule = self.rules.get((Trigger.ADMIT, min(self.classes.vacant)))  # the host decides admission
         if rule is None:
             raise RuntimeError(f"lifecycle {self.lifecycle.name!r} cannot admit {rid!r}")
         self.req_slot[rid], self.slot_req[slot], self.request[rid] = slot, rid, req
@@ -355,7 +345,7 @@ class DictLoopDriver(_PerRequestDriver):
         return published
 
     def state_of(self, rid):
-        return State(self.state[rid])
+        return self.state[rid]  # a State code; the class sets hold IntEnums, equal to their codes
 
     def finish_reasons(self) -> dict[str, FinishReason]:
         return {rid: FinishReason(r) for rid, r in self.finished.items()}
@@ -382,23 +372,14 @@ class DictLoopDriver(_PerRequestDriver):
     def num_frames(self, rid):
         return self.num_frames_[rid]
 
-    def max_frames(self, rid):
-        return self.request[rid].max_frames
-
     def frame_embed(self, rid):
         slot = self.req_slot[rid]
         if slot not in self.frame_embeds:
             raise RuntimeError(f"decode row {rid!r} has no frame in slot {slot}")
         return self.frame_embeds[slot]
 
-    def seed(self, rid):
-        return self.request[rid].seed
-
-    def cb0_params(self, rid):
-        return self.request[rid].cb0
-
-    def mtp_params(self, rid):
-        return self.request[rid].mtp
+    def bench_request(self, rid):
+        return self.request[rid]
 
 
 DRIVERS = {"engine": EngineDriver, "transitions": TransitionsDriver, "dict_loop": DictLoopDriver}

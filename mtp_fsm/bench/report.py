@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .._util.marked_block import replace_marked_block
+
 DESIGN_TITLES = {
     "engine": "lockstep engine",
     "transitions": "transitions Machine per request",
@@ -56,18 +58,11 @@ README_END = "<!-- bench-table:end -->"
 
 
 def update_readme(path: str, results: dict) -> bool:
-    """Put the latest table (with its date and machine) between the README's bench markers."""
-    with open(path) as f:
-        text = f.read()
-    if README_BEGIN not in text or README_END not in text:
-        return False
+    """Put the latest table (with its date and machine) between the README's bench markers;
+    returns whether the file changed (MarkedBlockError when the markers are missing)."""
     m = results["machine"]
     stamp = f"{m.get('date', '')} · {m.get('cpu', '')} · {m.get('cores', '')} cores · torch {m.get('torch', '')}"
-    block = f"{README_BEGIN}\n_From `make bench`, {stamp}._\n\n{markdown_table(results)}\n{README_END}"
-    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    with open(path, "w") as f:
-        f.write(text[:start] + block + text[end:])
-    return True
+    return replace_marked_block(path, README_BEGIN, README_END, f"_From `make bench`, {stamp}._\n\n{markdown_table(results)}")
 
 
 def _counts_table(counts: dict) -> str:

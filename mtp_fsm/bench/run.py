@@ -13,6 +13,7 @@ import time
 import attrs
 import torch
 
+from .._util.threads import torch_threads
 from .counters import constant_in_batch, count_call, engine_counts_by_batch
 from .drivers import DRIVERS, make_requests
 from .null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
@@ -170,12 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="README whose bench-table block gets the new table (skipped when absent)")
     args = parser.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     started = time.perf_counter()
-    try:
-        results: dict = {"machine": machine_info(args.threads)}
+    with torch_threads(args.threads):
+        results: dict = {"machine": machine_info(torch.get_num_threads())}
         cfg = lifecycle_config(max_context=MAX_CONTEXT)
         log("lifecycle step time (NullTalker, small vocab):")
         results["lifecycle"] = {"config": _config_dict(cfg), "sweep": bench_sweep(
@@ -211,15 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out_dir, "results.md"), "w") as f:
             f.write(markdown_report(results))
         plot_step_time(results, os.path.join(args.out_dir, "step_time.png"))
-        if os.path.exists(args.readme) and update_readme(args.readme, results):
-            log(f"updated the bench table in {args.readme}")
-        log("")
-        log(markdown_table(results))
-        for t in results["targets"]:
-            log(f"target {t['name']}: {t['measured']:.2f} -> {'met' if t['met'] else 'MISSED'}")
-        log(f"wrote {args.out_dir}/results.json, results.md, step_time.png in {results['wall_s']:.0f} s")
-    finally:
-        torch.set_num_threads(previous_threads)
+    log("")
+    log(markdown_table(results))
+    for t in results["targets"]:
+        log(f"target {t['name']}: {t['measured']:.2f} -> {'met' if t['met'] else 'MISSED'}")
+    log(f"wrote {args.out_dir}/results.json, results.md, step_time.png in {results['wall_s']:.0f} s")
+    # Last, so a README without the bench markers (a clear error) costs no results.
+    if os.path.exists(args.readme) and update_readme(args.readme, results):
+        log(f"updated the bench table in {args.readme}")
     return 0
 
 

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from typing import Sequence
 
+from .._util.stats import percentile
 from .drivers import DRIVERS, check_same_frames, make_requests
 from .null_model import NullConfig, NullInputs, NullTalker
 
 PROMPT_LEN = 4
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summary_ms(times_s: Sequence[float]) -> dict:
     ms = [1e3 * t for t in times_s]
-    return {"median_ms": statistics.median(ms), "p10_ms": _pct(ms, 0.1), "p90_ms": _pct(ms, 0.9), "n": len(ms)}
+    return {"median_ms": percentile(ms, 50), "p10_ms": percentile(ms, 10), "p90_ms": percentile(ms, 90), "n": len(ms)}
 
 
 def bench_batch(
@@ -81,11 +73,11 @@ def bench_batch(
                 per_step_frames[name].add(count)
     finally:
         gc.enable()
-    engine_median = statistics.median(times[designs[0]])
+    engine_median = percentile(times[designs[0]], 50)
     result = {"batch": batch, "reps": reps, "designs": {}}
     for name in designs:
         s = summary_ms(times[name])
-        s["ratio_vs_engine"] = statistics.median(times[name]) / engine_median
+        s["ratio_vs_engine"] = percentile(times[name], 50) / engine_median
         s["frames_per_step"] = sorted(per_step_frames[name])
         s["setup_ms"] = 1e3 * setup_s[name]
         s["admit_prefill_step_ms"] = 1e3 * admit_s[name]
@@ -142,8 +134,8 @@ def bench_engine_scaling(config: NullConfig, batch_sizes: Sequence[int], *, reps
         gc.enable()
     out = {b: summary_ms(t) for b, t in times.items()}
     base = batch_sizes[0]
-    ratios = sorted(t / s for t, s in zip(times[batch_sizes[-1]], times[base]))
-    out["paired_ratio_last_vs_first"] = statistics.median(ratios)
+    ratios = [t / s for t, s in zip(times[batch_sizes[-1]], times[base])]
+    out["paired_ratio_last_vs_first"] = percentile(ratios, 50)
     log(f"  engine alone, alternating B={list(batch_sizes)}: " + ", ".join(f"B={b} {out[b]['median_ms']:.2f}ms" for b in batch_sizes)
         + f"; B={batch_sizes[-1]}/B={base} = {out['paired_ratio_last_vs_first']:.2f} (median of paired ratios)")
     return out

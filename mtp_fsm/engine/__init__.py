@@ -1,6 +1,11 @@
-"""The lockstep engine, its plan/output types and the host ledger."""
+"""The lockstep engine, its plan/output types, the host ledger and the built-in scheduling policy."""
 
-from .engine import LockstepEngine
-from .plan import FinishedRequest, Frame, FrameBatch, NewRequest, RowOutput, Span, StepOutput, StepPlan
+from .engine import LockstepEngine, ModelFault
+from .plan import FinishedRequest, Frame, FrameBatch, Generation, NewRequest, RowOutput, Span, StepOutput, StepPlan
+from .records import RequestRecord
+from .scheduler import SchedulerStallError, SchedulingPolicy
 
-__all__ = ["LockstepEngine", "FinishedRequest", "Frame", "FrameBatch", "NewRequest", "RowOutput", "Span", "StepOutput", "StepPlan"]
+__all__ = [
+    "FinishedRequest", "Frame", "FrameBatch", "Generation", "LockstepEngine", "ModelFault", "NewRequest",
+    "RequestRecord", "RowOutput", "SchedulerStallError", "SchedulingPolicy", "Span", "StepOutput", "StepPlan",
+]

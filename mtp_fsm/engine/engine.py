@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -15,7 +16,8 @@ from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel
 from ..slots import SlotTable
 from .ledger import HostStep, Ledger
-from .plan import FrameBatch, NewRequest, RowOutput, StepOutput, StepPlan
+from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
+from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
 
 
 class ModelFault(Exception):
@@ -53,6 +55,7 @@ class LockstepEngine:
         device: torch.device | str = "cpu",
         kernels: str = "auto",
         lifecycle: LifecycleSpec | None = None,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -70,6 +73,7 @@ class LockstepEngine:
         self.table = SlotTable.allocate(max_slots, self.spec, self.device, model.slot_columns())
         self.oracle = Oracle(self.lifecycle)
         self.ledger = Ledger(model, self.table, self.oracle, self.compiled)
+        self.scheduler = Scheduler(self.ledger, policy or SchedulingPolicy())
         model.bind_slots(max_slots, self.device, self.table.extra)
         self._forward = _model_call(model.forward)
         self._cb0_logits = _model_call(model.cb0_logits)
@@ -102,29 +106,84 @@ class LockstepEngine:
         """Let the model prepare a request's prompt ahead of admission (the result is kept
         and reused when this same request object is admitted). Model failures become an
         AdmissionError naming the request."""
-        return self.ledger.prepare(request)
+        return self.ledger.admission.prepare(request)
 
     def check_new(self, request: NewRequest) -> list[str]:
         """Problems with a new request's own fields (empty when it is admissible)."""
-        return self.ledger.check_new(request)
+        return self.ledger.admission.check_new(request)
 
     def request_state(self, request_id: str):
         """The request's lifecycle state as of the last step (host mirror)."""
         return self.ledger.record(request_id, "report its state").state
 
     def requests(self) -> dict[str, str]:
+        """State label of every request the engine holds (queued requests are `free`)."""
         return {rid: r.state.label for rid, r in self.ledger.all_records()}
 
-    def step(self, plan: StepPlan) -> StepOutput:
-        """Run one lockstep step. A bad plan raises before anything changes; a model that
-        raises mid-step ends that step's scheduled requests with reason error and leaves
-        every other request as it was."""
+    # -- high-level API: the built-in policy plans every step ---------------------------
+
+    def add_request(self, request: NewRequest) -> None:
+        """Validate a request now (AdmissionError naming it if it can never run) and queue it."""
+        self.ledger.enqueue(request)
+
+    def abort(self, request_id: str) -> str:
+        """'dropped' (was queued: gone now), 'scheduled' (aborted by the next step, reported
+        in its output) or 'ignored' (already ended, already aborting, or unknown)."""
+        return self.scheduler.abort(request_id)
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request in the next step; it resumes when a slot is free."""
+        return self.scheduler.preempt(request_id)
+
+    @property
+    def idle(self) -> bool:
+        """No request queued, running, preempted, awaiting release or pending an abort."""
+        return self.scheduler.idle
+
+    def generate(
+        self, requests: Iterable[NewRequest], *, on_step: Callable[["LockstepEngine", StepOutput], None] | None = None
+    ) -> dict[str, Generation]:
+        """Run requests to their end with the built-in policy; frames and finish per request.
+        on_step(engine, output) may abort or preempt between steps."""
+        results: dict[str, Generation] = {}
+        for request in requests:
+            self.add_request(request)
+            results[request.request_id] = Generation(request.request_id)
+        while (output := self.step()) is not None:
+            for frame in output.frames:
+                if frame.request_id in results:
+                    results[frame.request_id].frames.append(frame)
+            for finished in output.finished:
+                if finished.request_id in results:
+                    results[finished.request_id].finished = finished
+            if on_step is not None:
+                on_step(self, output)
+        return results
+
+    def step(self, plan: StepPlan | None = None) -> StepOutput | None:
+        """Run one lockstep step: `plan`, or the built-in policy's (None when idle).
+
+        A bad plan raises before anything changes; a model that raises mid-step ends that
+        step's scheduled requests with reason error and leaves every other request as it was.
+        """
+        if plan is None:
+            if self.scheduler.idle:
+                return None
+            plan = self.scheduler.schedule()
+            if is_empty(plan):
+                raise SchedulerStallError(
+                    f"nothing can be scheduled: {len(self.ledger.queued)} queued, {len(self.ledger.records)} held, "
+                    f"{self.scheduler.num_preempted} preempted, {self.num_free_slots} free slots"
+                )
         host = self.stage(plan)
         try:
             packed = self.run_device(host)
         except ModelFault as fault:
-            return self._fail_step(host, fault.__cause__ or fault)
-        return self.finish(host, packed)
+            output = self._fail_step(host, fault.__cause__ or fault)
+        else:
+            output = self.finish(host, packed)
+        self.scheduler.update(plan, output)
+        return output
 
     # -- the three phases of a step -----------------------------------------------------
 

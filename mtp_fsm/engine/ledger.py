@@ -3,7 +3,6 @@ oracle, allocates slots and stages the device inputs of the step."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable
 
 import attrs
@@ -16,9 +15,9 @@ from ..errors import (
 from ..kernels.contract import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents, StepBatch
 from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CompiledLifecycle, FinishReason, Oracle, State, Trigger
 from ..model_api import PreparedPrompt, TalkerModel
-from ..sampling.topp import MAX_VOCAB_FIXED
 from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, Span, StepPlan
+from .admission import Admission
 from .records import RequestRecord
 from .staging import build_batch, stage_admits
 
@@ -55,7 +54,8 @@ class Ledger:
         self.records: dict[str, RequestRecord] = {}
         self._next_serial = 1
         self._resuming: set[str] = set()
-        self._prepared: dict[int, tuple[weakref.ref, PreparedPrompt]] = {}  # id(request) -> (request, prompt)
+        self.admission = Admission(model)
+        self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
         # Host mirror of the device, per slot, refreshed from each step's output copy.
         rows = table.max_slots + 1
         self.slot_state = np.zeros(rows, dtype=np.int64)
@@ -72,14 +72,14 @@ class Ledger:
 
     def record(self, request_id: str, what: str) -> RequestRecord:
         """The synced record of a known request; UnknownRequestError saying what was attempted."""
-        record = self.records.get(request_id)
+        record = self.records.get(request_id) or self.queued.get(request_id)
         if record is None:
             raise UnknownRequestError(request_id, what)
         return self.sync(record)
 
     def all_records(self):
-        """(request id, synced record) for every request the engine holds."""
-        return ((rid, self.sync(r)) for rid, r in self.records.items())
+        """(request id, synced record) for every request the engine holds, queued ones last."""
+        return [*((rid, self.sync(r)) for rid, r in self.records.items()), *self.queued.items()]
 
     # -- validation (no mutation) -------------------------------------------------------
 
@@ -87,44 +87,23 @@ class Ledger:
         if not self.oracle.may(record.fsm, trigger):
             raise LifecycleError(record.request_id, record.state, trigger)
 
-    def prepare(self, req: NewRequest) -> PreparedPrompt:
-        """The model's PreparedPrompt for this request object (computed once, kept until admitted)."""
-        cached = self._prepared.get(id(req))
-        if cached is not None and cached[0]() is req:
-            return cached[1]
-        try:
-            prepared = self.model.prepare(req.inputs)
-        except Exception as exc:  # the model rejected its inputs: reject this request only
-            raise AdmissionError(req.request_id, f"inputs rejected by the model: {type(exc).__name__}: {exc}") from exc
-        # Weakly held: a request dropped before admission (queue abort) takes its entry with it.
-        self._prepared[id(req)] = (weakref.ref(req), prepared)
-        weakref.finalize(req, self._prepared.pop, id(req), None)
-        return prepared
+    # -- requests queued by the engine's built-in policy ----------------------------------
 
-    def check_new(self, req: NewRequest) -> list[str]:
-        """Problems with a new request's own fields (independent of the table)."""
-        problems = []
-        if req.sampling_width != 1:
-            problems.append(
-                f"sampling width {req.sampling_width} is not supported: current-step MTP builds one frame "
-                "per sampled CB0, so multi-token or speculative sampling would desynchronise frames"
-            )
-        if not isinstance(req.max_frames, int) or req.max_frames < 1:
-            problems.append(f"max_frames must be an int >= 1, got {req.max_frames!r}")
-        if not isinstance(req.seed, int) or not (-(2**63) <= req.seed < 2**63):
-            problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
-        problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
-        problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]
-        sampled = [("cb0", req.cb0_sampling, self.spec.backbone_vocab_size)]
-        if self.spec.has_mtp:
-            sampled.append(("mtp", req.mtp_sampling, self.spec.codebook_size))
-        for name, params, vocab in sampled:
-            if isinstance(params.top_p, (int, float)) and params.top_p < 1.0 and vocab > MAX_VOCAB_FIXED:
-                problems.append(
-                    f"{name} sampling: top_p < 1 needs a vocabulary of at most {MAX_VOCAB_FIXED} ids "
-                    f"(the fixed-point top-p mass), the model's is {vocab}"
-                )
-        return problems
+    def enqueue(self, req: NewRequest) -> RequestRecord:
+        """Validate a request now and hold its record (state free, no slot) until a plan admits it."""
+        rid = req.request_id
+        if rid in self.records or rid in self.queued:
+            known = self.records.get(rid) or self.queued[rid]
+            raise DuplicateRequestError(rid, "a request with this id is already in the engine", known.state.label)
+        record = RequestRecord(req, self.oracle.new(rid), self.admission.admissible(req))
+        self.queued[rid] = record
+        return record
+
+    def drop_queued(self, request_id: str) -> RequestRecord | None:
+        record = self.queued.pop(request_id, None)
+        if record is not None:
+            self.admission.forget(record.request)
+        return record
 
     def _validate(self, plan: StepPlan) -> dict[str, object]:
         touched: dict[str, str] = {}
@@ -153,22 +132,16 @@ class Ledger:
             self._check_host_trigger(self.record(rid, "resume"), Trigger.RESUME)
         prepared = {}
         for req in plan.new_requests:
-            if req.request_id in self.records or req.request_id in prepared:
-                state = self.records[req.request_id].state.label if req.request_id in self.records else "new"
-                raise DuplicateRequestError(req.request_id, "a request with this id is already in the engine", state)
-            problems = self.check_new(req)
-            if problems:
-                raise AdmissionError(req.request_id, "; ".join(problems))
-            prepared[req.request_id] = self.prepare(req)
-            length = int(prepared[req.request_id].prompt_embeds.shape[0])
-            if length < 1:
-                raise AdmissionError(req.request_id, "the prompt is empty")
-            if length >= self.spec.max_context:
-                raise AdmissionError(
-                    req.request_id,
-                    f"prompt of {length} positions does not fit the context of {self.spec.max_context} "
-                    "(at least one position is needed to produce a frame)",
-                )
+            rid = req.request_id
+            queued = self.queued.get(rid)
+            if queued is not None and queued.request is req:  # enqueued earlier: validated then
+                prepared[rid] = queued.prepared
+                continue
+            if rid in self.records or rid in self.queued or rid in prepared:
+                known = self.records.get(rid) or self.queued.get(rid)
+                raise DuplicateRequestError(rid, "a request with this id is already in the engine",
+                                            known.state.label if known is not None else "new")
+            prepared[rid] = self.admission.admissible(req)
         wanted = len(plan.resumes) + len(plan.new_requests)
         available = self.allocator.num_free + freed
         if wanted > available:
@@ -288,8 +261,9 @@ class Ledger:
             record.prompt_len, record.num_computed = self.resume_prompt_len(record), 0
             admitted.append(record)
         for req in plan.new_requests:
-            self._prepared.pop(id(req), None)
-            record = RequestRecord(req, self.oracle.new(req.request_id), prepared[req.request_id])
+            self.admission.forget(req)
+            record = self.queued.pop(req.request_id, None) or RequestRecord(
+                req, self.oracle.new(req.request_id), prepared[req.request_id])
             self.oracle.fire(record.fsm, Trigger.ADMIT)
             self.records[req.request_id] = record
             admitted.append(record)

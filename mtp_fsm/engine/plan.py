@@ -107,3 +107,18 @@ class StepOutput:
     finished: tuple[FinishedRequest, ...]
     rows: RowOutput
     num_tokens: int
+
+
+@attrs.define
+class Generation:
+    """What `LockstepEngine.generate` returns per request: its frames in order and how it ended."""
+
+    request_id: str
+    frames: list[Frame] = attrs.field(factory=list)
+    finished: FinishedRequest | None = None
+
+    def codes(self) -> torch.Tensor:
+        """The frames' codes stacked [N, Q] (int64)."""
+        if not self.frames:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return torch.stack([f.codes for f in self.frames])

@@ -97,6 +97,7 @@ def run_stage(rules_ptr, chain_ptr, STAGE: tl.constexpr, state, word, owned, rea
         trigger = tl.load(at_row + k)
         has = owned & (trigger >= 0)
         rule = rules_ptr + tl.maximum(trigger, 0) * NS + state
+        print("DBG", owned.dtype, trigger.dtype, has.dtype, rule.dtype)
         dest = tl.load(rule + P_DEST * PLANE, mask=has, other=-1)
         must = tl.load(rule + P_MUST * PLANE, mask=has, other=0)
         must_not = tl.load(rule + P_MUST_NOT * PLANE, mask=has, other=0)

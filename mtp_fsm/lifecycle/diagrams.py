@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 from transitions.extensions import GraphMachine
 
+from .._util.marked_block import replace_marked_block
 from .spec import LifecycleSpec
 from .variants import VARIANTS
 
@@ -61,20 +61,18 @@ def render_all(out_dir: Path, *, svg: bool | None = None) -> list[Path]:
     return written
 
 
+def _readme_content(spec: LifecycleSpec) -> str:
+    return f"```mermaid\n{mermaid_source(spec)}```"
+
+
 def readme_block(spec: LifecycleSpec) -> str:
-    return f"{README_BEGIN}\n```mermaid\n{mermaid_source(spec)}```\n{README_END}"
+    """The README's generated block, markers included."""
+    return f"{README_BEGIN}\n{_readme_content(spec)}\n{README_END}"
 
 
 def update_readme(readme: Path, spec: LifecycleSpec) -> bool:
     """Replace the generated block in the README; returns whether the file changed."""
-    text = readme.read_text()
-    pattern = re.compile(re.escape(README_BEGIN) + ".*?" + re.escape(README_END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{readme} has no {README_BEGIN!r} ... {README_END!r} block to update")
-    new = pattern.sub(lambda _: readme_block(spec), text)
-    if new != text:
-        readme.write_text(new)
-    return new != text
+    return replace_marked_block(readme, README_BEGIN, README_END, _readme_content(spec))
 
 
 def main(argv: list[str] | None = None) -> int:

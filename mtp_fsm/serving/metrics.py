@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import attrs
-import numpy as np
 
+from .._util.stats import percentile
 from ..lifecycle import FinishReason
 
 # Columns of the per-step state counts, in plotting order; "finished" is cumulative.
@@ -142,5 +142,6 @@ class ServingMetrics:
         )
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
+
+def _pct(values: list[float], p: float) -> float | None:
+    return percentile(values, p) if values else None

@@ -53,3 +53,16 @@ def test_designs_agree_through_eos_length_and_errors(num_codebooks, cases):
     assert frames["nan"] == 1 and frames["ctx"] == 12 - 6 + 1
     if num_codebooks > 1:
         assert frames["mtp_nan"] == 2
+
+
+def test_naive_step_bodies_name_no_trigger_or_state():
+    import inspect
+
+    from mtp_fsm.bench.drivers import DictLoopDriver, TransitionsDriver, _PerRequestDriver
+    from mtp_fsm.lifecycle import State, Trigger
+
+    for fn in (_PerRequestDriver.step, TransitionsDriver.run_phase, DictLoopDriver.run_phase):
+        src = inspect.getsource(fn)
+        assert "Trigger." not in src and "State." not in src, fn.__qualname__
+        for label in [s.label for s in State] + [t.label for t in Trigger]:
+            assert f'"{label}"' not in src and f"'{label}'" not in src, (fn.__qualname__, label)

@@ -1,0 +1,77 @@
+"""Admission checks of a new request: its own fields, its prepared prompt, and the prompt cache."""
+
+from __future__ import annotations
+
+import weakref
+
+from ..errors import AdmissionError
+from ..model_api import PreparedPrompt, TalkerModel
+from ..sampling.topp import MAX_VOCAB_FIXED
+from .plan import NewRequest
+
+
+class Admission:
+    """Decides whether a request can enter the engine; keeps each request object's
+    prepared prompt (weakly: a request dropped by its client takes its prompt with it)."""
+
+    def __init__(self, model: TalkerModel) -> None:
+        self.model, self.spec = model, model.spec
+        self._prepared: dict[int, tuple[weakref.ref, PreparedPrompt]] = {}  # id(request) -> (request, prompt)
+
+    def prepare(self, req: NewRequest) -> PreparedPrompt:
+        """The model's PreparedPrompt for this request object (computed once, kept until admitted)."""
+        cached = self._prepared.get(id(req))
+        if cached is not None and cached[0]() is req:
+            return cached[1]
+        try:
+            prepared = self.model.prepare(req.inputs)
+        except Exception as exc:  # the model rejected its inputs: reject this request only
+            raise AdmissionError(req.request_id, f"inputs rejected by the model: {type(exc).__name__}: {exc}") from exc
+        self._prepared[id(req)] = (weakref.ref(req), prepared)
+        weakref.finalize(req, self._prepared.pop, id(req), None)
+        return prepared
+
+    def forget(self, req: NewRequest) -> None:
+        self._prepared.pop(id(req), None)
+
+    def check_new(self, req: NewRequest) -> list[str]:
+        """Problems with a new request's own fields (independent of the table)."""
+        problems = []
+        if req.sampling_width != 1:
+            problems.append(
+                f"sampling width {req.sampling_width} is not supported: current-step MTP builds one frame "
+                "per sampled CB0, so multi-token or speculative sampling would desynchronise frames"
+            )
+        if not isinstance(req.max_frames, int) or req.max_frames < 1:
+            problems.append(f"max_frames must be an int >= 1, got {req.max_frames!r}")
+        if not isinstance(req.seed, int) or not (-(2**63) <= req.seed < 2**63):
+            problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
+        problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
+        problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]
+        sampled = [("cb0", req.cb0_sampling, self.spec.backbone_vocab_size)]
+        if self.spec.has_mtp:
+            sampled.append(("mtp", req.mtp_sampling, self.spec.codebook_size))
+        for name, params, vocab in sampled:
+            if isinstance(params.top_p, (int, float)) and params.top_p < 1.0 and vocab > MAX_VOCAB_FIXED:
+                problems.append(
+                    f"{name} sampling: top_p < 1 needs a vocabulary of at most {MAX_VOCAB_FIXED} ids "
+                    f"(the fixed-point top-p mass), the model's is {vocab}"
+                )
+        return problems
+
+    def admissible(self, req: NewRequest) -> PreparedPrompt:
+        """The prepared prompt of an admissible request; AdmissionError naming it otherwise."""
+        problems = self.check_new(req)
+        if problems:
+            raise AdmissionError(req.request_id, "; ".join(problems))
+        prepared = self.prepare(req)
+        length = int(prepared.prompt_embeds.shape[0])
+        if length < 1:
+            raise AdmissionError(req.request_id, "the prompt is empty")
+        if length >= self.spec.max_context:
+            raise AdmissionError(
+                req.request_id,
+                f"prompt of {length} positions does not fit the context of {self.spec.max_context} "
+                "(at least one position is needed to produce a frame)",
+            )
+        return prepared

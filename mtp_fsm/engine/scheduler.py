@@ -1,0 +1,176 @@
+"""The built-in scheduling policy: FCFS admission, a token budget with chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import attrs
+
+from ..errors import MtpFsmError
+from .ledger import Ledger
+from .plan import NewRequest, Span, StepOutput, StepPlan
+from .records import RequestRecord
+
+
+class SchedulerStallError(MtpFsmError):
+    """Requests are waiting but nothing can be planned (no slot can ever free up)."""
+
+
+def _positive(_, attribute, value) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _none_or_non_negative(_, attribute, value) -> None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(f"{attribute.name} must be None or an int >= 0, got {value!r}")
+
+
+@attrs.frozen
+class SchedulingPolicy:
+    """Knobs of the built-in policy. With preempt_after_steps=N, a queue head blocked for
+    lack of a slot for more than N consecutive steps preempts the most recently admitted
+    running request (recompute-style: it re-prefills its prompt plus published frames)."""
+
+    token_budget: int = attrs.field(default=512, validator=_positive)
+    prefill_chunk: int = attrs.field(default=256, validator=_positive)
+    preempt_after_steps: int | None = attrs.field(default=None, validator=_none_or_non_negative)
+
+
+class Scheduler:
+    """vLLM-style: decode rows first (1 token each), then prefill chunks, then resumes of
+    preempted requests (oldest first), then new admissions, all under one token budget.
+
+    Holds only policy state (pending client aborts and preemptions, preemption order, how
+    long the queue head has waited); every fact about a request is read from its one host
+    record in the ledger. schedule() changes nothing; update() commits a step's plan.
+    """
+
+    def __init__(self, ledger: Ledger, policy: SchedulingPolicy) -> None:
+        self.ledger, self.policy = ledger, policy
+        self._aborts: dict[str, None] = {}  # ordered sets
+        self._preempts: dict[str, None] = {}
+        self._preempted: list[str] = []  # resumed in this order
+        self._wait_head: str | None = None
+        self._head_wait = 0
+        self._blocked: str | None = None
+        self.num_preemptions = 0
+
+    # -- client side ---------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> str:
+        """'dropped' (was queued: gone now), 'scheduled' (the next plan aborts it) or
+        'ignored' (already ended, already aborting, or unknown)."""
+        if self.ledger.drop_queued(request_id) is not None:
+            return "dropped"
+        record = self.ledger.records.get(request_id)
+        if record is None or request_id in self._aborts or self.ledger.sync(record).state in self.ledger.terminal_states:
+            return "ignored"
+        self._aborts[request_id] = None
+        return "scheduled"
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request in the next plan (e.g. memory pressure seen by the caller)."""
+        record = self.ledger.records.get(request_id)
+        if record is None or record.slot is None or self.ledger.sync(record).state not in self.ledger.live_states:
+            return False
+        self._preempts[request_id] = None
+        return True
+
+    @property
+    def idle(self) -> bool:
+        return not self.ledger.queued and not self.ledger.records and not self._aborts
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self._preempted)
+
+    # -- planning ------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        ledger = self.ledger
+        records = dict(ledger.all_records())
+        aborts = tuple(rid for rid in self._aborts if rid in records and records[rid].state not in ledger.terminal_states)
+        gone = set(aborts)
+        releases = tuple(rid for rid, r in records.items()
+                         if r.slot is not None and r.state in ledger.terminal_states and rid not in gone)
+        running = sorted((r for rid, r in records.items() if r.slot is not None and r.state in ledger.live_states
+                          and rid not in gone), key=lambda r: r.serial)
+        free = ledger.allocator.num_free + len(releases) + sum(records[rid].slot is not None for rid in aborts)
+        preempts = [r.request_id for r in running if r.request_id in self._preempts]
+        waiting_resumes = [rid for rid in self._preempted if rid not in gone]
+        head = next(iter(ledger.queued), None)
+        blocked = head is not None and free + len(preempts) <= 0 and not waiting_resumes
+        limit = self.policy.preempt_after_steps
+        if blocked and limit is not None and self._head_waits(head) > limit and not preempts and running:
+            preempts.append(running[-1].request_id)  # the most recently admitted
+            blocked = False
+        self._blocked = head if blocked else None
+        free += len(preempts)
+        gone.update(preempts)
+
+        budget, rows = self.policy.token_budget, []
+        live = [r for r in running if r.request_id not in gone]
+        for r in live:  # decode rows first: they carry audio a listener is waiting for
+            if not r.in_prefill and budget > 0:
+                rows.append(Span(r.request_id, 1))
+                budget -= 1
+        for r in live:
+            if r.in_prefill and budget > 0:
+                budget -= self._chunk(rows, r.request_id, r.prompt_len - r.num_computed, budget)
+        resumes = []
+        for rid in waiting_resumes:
+            if free <= 0 or budget <= 0:
+                break
+            resumes.append(rid)
+            free -= 1
+            budget -= self._chunk(rows, rid, ledger.resume_prompt_len(records[rid]), budget)
+        admitted: list[NewRequest] = []
+        if len(resumes) == len(waiting_resumes):  # preempted requests go first
+            for record in ledger.queued.values():
+                # The request a preemption made room for is admitted even with no budget left.
+                if free <= 0 or (budget <= 0 and not (preempts and not admitted)):
+                    break
+                admitted.append(record.request)
+                free -= 1
+                budget -= self._chunk(rows, record.request_id, record.prompt_len, budget)
+        return StepPlan(new_requests=tuple(admitted), rows=tuple(rows), aborts=aborts, preempts=tuple(preempts),
+                        resumes=tuple(resumes), releases=releases)
+
+    def _chunk(self, rows: list[Span], request_id: str, remaining: int, budget: int) -> int:
+        n = min(self.policy.prefill_chunk, remaining, budget)
+        if n > 0:
+            rows.append(Span(request_id, n))
+        return n
+
+    def _head_waits(self, head_id: str) -> int:
+        """Steps the head has been blocked so far, counting the one being planned."""
+        return (self._head_wait if head_id == self._wait_head else 0) + 1
+
+    # -- commit --------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, output: StepOutput) -> None:
+        """Commit a plan the engine ran (schedule()'s, or an embedder's own)."""
+        for rid in plan.aborts:
+            self._aborts.pop(rid, None)
+            if rid in self._preempted:
+                self._preempted.remove(rid)
+        for rid in plan.preempts:
+            self._preempts.pop(rid, None)
+            self._preempted.append(rid)
+            self.num_preemptions += 1
+        for rid in plan.resumes:
+            if rid in self._preempted:
+                self._preempted.remove(rid)
+        for finished in output.finished:  # e.g. a request the model failed while an abort was pending
+            self._aborts.pop(finished.request_id, None)
+            self._preempts.pop(finished.request_id, None)
+        if self._blocked is None:
+            self._wait_head, self._head_wait = None, 0
+        else:
+            self._head_wait, self._wait_head = self._head_waits(self._blocked), self._blocked
+
+
+def is_empty(plan: StepPlan) -> bool:
+    return not (plan.rows or plan.new_requests or plan.aborts or plan.preempts or plan.resumes or plan.releases)
+
+
+__all__ = ["RequestRecord", "Scheduler", "SchedulerStallError", "SchedulingPolicy", "is_empty"]
