@@ -1,9 +1,8 @@
-"""The `mtp-fsm` command line: demo (serve a batch of TTS requests), plus bench / diagrams hooks."""
+"""The `mtp-fsm` command line: demo (serve a batch of TTS requests), plus the bench and diagrams commands."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from typing import Sequence
@@ -81,37 +80,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ModelLoadError, MtpFsmError) as exc:  # bad configuration: say what, no traceback
             print(f"mtp-fsm demo: error: {exc}", file=sys.stderr)
             return 2
-    module = {"bench": "mtp_fsm.bench", "diagrams": "mtp_fsm.lifecycle.diagrams"}[args.command]
-    return _call_optional(module, [*extra, *args.args])
-
-
-def _call_optional(module_name: str, argv: list[str]) -> int:
-    """Run `module_name.main(argv)`; those modules are written separately and imported only here."""
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        # Only "the module itself is missing" is expected; a missing dependency inside it is a real error.
-        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise
-        module = None
-    entry = getattr(module, "main", None)
-    if entry is None:
-        print(f"mtp-fsm: {module_name}.main is not available in this install", file=sys.stderr)
-        return 2
-    rc = entry(argv)
-    return int(rc) if isinstance(rc, int) else 0
+    if args.command == "bench":
+        from .bench import main as plugin_main
+    else:
+        from .lifecycle.diagrams import main as plugin_main
+    return plugin_main([*extra, *args.args])
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
+    from ._util.threads import torch_threads
 
-    previous_threads = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):  # restored after, so in-process callers (tests) keep their setting
         return _demo(args)
-    finally:
-        torch.set_num_threads(previous_threads)  # in-process callers (tests) keep their setting
 
 
 def _demo(args: argparse.Namespace) -> int:

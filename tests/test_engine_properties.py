@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mtp_fsm.engine import LockstepEngine, Span, StepPlan
-from mtp_fsm.lifecycle import LIVE_STATES, TERMINAL_STATES, State
+from mtp_fsm.lifecycle import State
+from mtp_fsm.lifecycle.variants import CLASSES
 from mtp_fsm.testing.alone import reference_runs, scripted_mtp, scripted_single, torch_threads
 from mtp_fsm.testing.oracle_driver import OracleDriver
 from mtp_fsm.testing.stateful import scripted_requests
@@ -40,9 +41,9 @@ def test_random_schedules_give_the_oracles_states_and_frames(variant, max_slots,
     admitted = 0
     for _ in range(data.draw(st.integers(4, 24), label="steps")):
         reqs = driver.requests.values()
-        terminal = sorted(r.rid for r in reqs if r.slot is not None and r.state in TERMINAL_STATES)
+        terminal = sorted(r.rid for r in reqs if r.slot is not None and r.state in CLASSES.terminal)
         releases = [rid for rid in terminal if data.draw(st.booleans(), label=f"release {rid}")]
-        live = sorted(r.rid for r in reqs if r.slot is not None and r.state in LIVE_STATES)
+        live = sorted(r.rid for r in reqs if r.slot is not None and r.state in CLASSES.live)
         event = {rid: data.draw(st.sampled_from(["run"] * 6 + ["abort", "preempt"]), label=rid) for rid in live}
         preempted = sorted(r.rid for r in reqs if r.state is State.PREEMPTED)
         free = driver.num_free + len(releases) + sum(e != "run" for e in event.values())
@@ -84,7 +85,7 @@ def run_batched(variant, defs, max_slots, data, fillers=()):
         gone = set(done)
         for rid, record in engine.ledger.records.items():
             engine.ledger.sync(record)
-            if rid in gone or record.state not in LIVE_STATES:
+            if rid in gone or record.state not in CLASSES.live:
                 continue
             left = record.prompt_len - record.num_computed
             rows.append(Span(rid, data.draw(st.integers(1, left), label="chunk") if left > 0 else 1))
@@ -100,7 +101,7 @@ def run_batched(variant, defs, max_slots, data, fillers=()):
             assert frame.index == len(frames[frame.request_id]) - 1
         done = [f.request_id for f in out.finished]
         if not queue and not done and not any(
-            engine.ledger.sync(r).state in LIVE_STATES for r in engine.ledger.records.values()
+            engine.ledger.sync(r).state in CLASSES.live for r in engine.ledger.records.values()
         ):
             return frames
     raise AssertionError("did not finish")

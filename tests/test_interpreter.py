@@ -8,10 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mtp_fsm.lifecycle import ALWAYS, FinishReason, Guard, Trigger, mtp_lifecycle, single_codebook_lifecycle
-from mtp_fsm.sampling import GREEDY, SamplingParams, gumbel_noise_codebooks, sample_tokens
+from mtp_fsm.sampling import GREEDY, SamplingParams, filter_mask, gumbel_noise_codebooks, sample_tokens
 from mtp_fsm.sampling.noise import frame_key
 from mtp_fsm.testing.alone import AloneRun, RequestDef, run_alone, scripted_mtp, scripted_single, torch_threads
-from mtp_fsm.testing.interpreter import interpret, sample_row
+from mtp_fsm.testing.interpreter import interpret, kept_ids, sample_row
 from mtp_fsm.testing.scripted import ScriptInputs
 from mtp_fsm.testing.stateful import scripted_requests
 
@@ -110,6 +110,30 @@ def test_sampler_matches_engine_sampler(batch, shortcuts):
     for row, p in enumerate(params):
         mine = sample_row(logits[row], p, seeds[row], frames[row], codebook, allowed)
         assert mine == (int(tokens[row]), bool(bad[row])), f"row {row} {p}: {mine} vs engine {tokens[row], bad[row]}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(sampling_batches())
+def test_kept_set_matches_engine_filter(batch):
+    logits, params, _, _, _, allowed = batch
+    scores = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores / torch.tensor([p.temperature or 1.0 for p in params])[:, None]  # greedy rows: raw
+    engine = filter_mask(scores, torch.tensor([p.top_k for p in params]),
+                         torch.tensor([p.top_p for p in params], dtype=torch.float32))
+    for row, p in enumerate(params):
+        real = scores[row] > float("-inf")  # a -inf score loses whether it is "kept" or not
+        assert torch.equal(kept_ids(scores[row], p.top_k, p.top_p) & real, engine[row] & real), p
+
+
+def test_top_p_boundary_is_strict():
+    # Fixed-point weights 2**24, 2**24 - 4096 and 4096: with top_p = 0.5 the second id's mass
+    # before (2**24) is exactly half the total, so it is not < top_p and is dropped.
+    scores = torch.tensor([0.0, -1 / 4096, -34069 / 4096])
+    for top_p, expected in ((0.5, [True, False, False]), (0.5000001, [True, True, False])):
+        engine = filter_mask(scores[None], torch.tensor([0]), torch.tensor([top_p], dtype=torch.float32))[0]
+        assert kept_ids(scores, 0, top_p).tolist() == engine.tolist() == expected
 
 
 # -- the tiny Qwen3-TTS model ----------------------------------------------------------------

@@ -119,10 +119,6 @@ class NullTalker(TalkerModel):
     def cb0_logits(self, hidden):
         return self._cb0_logits[self.row_ids(hidden)]
 
-    def mtp_logits(self, hidden: torch.Tensor, cb0: torch.Tensor, codebook: int) -> torch.Tensor:
-        """The precomputed logits the MTP hook samples codebook `codebook` from: [B, V]."""
-        return self._mtp_logits[codebook - 1][(self.row_ids(hidden) + cb0.long()) % NUM_ROWS]
-
     def mtp(self, hidden, cb0: torch.Tensor, sample: CodebookSampler) -> torch.Tensor:
         rows = (self.row_ids(hidden) + cb0.long()) % NUM_ROWS
         codes = [cb0.long()]

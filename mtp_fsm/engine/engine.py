@@ -276,6 +276,7 @@ class LockstepEngine:
                 torch.zeros(rows, self.spec.num_codebooks, dtype=torch.int64),
             ),
             host.batch.num_tokens,
+            host.preempted,
         )
 
     # -- host side ----------------------------------------------------------------------
@@ -305,4 +306,4 @@ class LockstepEngine:
             valid=torch.from_numpy(rows_np[:, OUT_VALID] == 1),
             codes=codes,
         )
-        return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens)
+        return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens, host.preempted)

@@ -36,6 +36,7 @@ class HostStep:
     padding_np: np.ndarray
     ended: list[FinishedRequest]  # aborts applied at this boundary
     admitted: list[RequestRecord]  # new and resumed requests given a slot at this boundary
+    preempted: tuple[str, ...] = ()
 
 
 class Ledger:
@@ -290,7 +291,8 @@ class Ledger:
         batch, row_records, slots_np = self._stage_rows(plan.rows)
         row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
         return HostStep(
-            events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted
+            events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,
+            tuple(plan.preempts),
         )
 
     def _stage_rows(self, rows: tuple[Span | None, ...]):

@@ -107,6 +107,11 @@ class StepOutput:
     finished: tuple[FinishedRequest, ...]
     rows: RowOutput
     num_tokens: int
+    preempted: tuple[str, ...] = ()  # requests preempted at this step's boundary
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
 
 
 @attrs.define

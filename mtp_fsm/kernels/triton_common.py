@@ -90,14 +90,16 @@ def run_stage(rules_ptr, chain_ptr, STAGE: tl.constexpr, state, word, owned, rea
     destination is declared and the guard masks hold on `word`. Returns (state, reason,
     published, stuck) after the stage."""
     at_row = chain_ptr + STAGE * WIDTH
-    total = tl.load(at_row)
+    # Chain entries are uniform over the tile; they are widened to the tile's shape as
+    # integers before any comparison (the interpreter splats scalar booleans as uint8).
+    lanes = tl.zeros_like(state)
+    total = lanes + tl.load(at_row)
     new = state
     fired = tl.zeros_like(owned)
     for k in tl.static_range(1, WIDTH):
-        trigger = tl.load(at_row + k)
+        trigger = lanes + tl.load(at_row + k)
         has = owned & (trigger >= 0)
         rule = rules_ptr + tl.maximum(trigger, 0) * NS + state
-        print("DBG", owned.dtype, trigger.dtype, has.dtype, rule.dtype)
         dest = tl.load(rule + P_DEST * PLANE, mask=has, other=-1)
         must = tl.load(rule + P_MUST * PLANE, mask=has, other=0)
         must_not = tl.load(rule + P_MUST_NOT * PLANE, mask=has, other=0)
@@ -108,7 +110,7 @@ def run_stage(rules_ptr, chain_ptr, STAGE: tl.constexpr, state, word, owned, rea
         reason = tl.where(ok & (why != 0), why, reason)
         published = published | (ok & (emits != 0))
         fired = fired | ok
-    stuck = stuck | (owned & ~fired & (total != 0))
+    stuck = stuck | (owned & ~fired)
     return new, reason, published, stuck
 
 

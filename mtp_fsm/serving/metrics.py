@@ -136,12 +136,11 @@ class ServingMetrics:
         return ServingSummary(
             num_requests=len(self.requests), num_steps=len(self.steps), total_frames=frames, wall_s=wall,
             frames_per_s=frames / wall if wall > 0 else 0.0,
-            first_frame_ms_p50=_pct(ff, 50), first_frame_ms_p95=_pct(ff, 95),
-            first_chunk_ms_p50=_pct(fc, 50), first_chunk_ms_p95=_pct(fc, 95),
+            first_frame_ms_p50=_percentile_or_none(ff, 50), first_frame_ms_p95=_percentile_or_none(ff, 95),
+            first_chunk_ms_p50=_percentile_or_none(fc, 50), first_chunk_ms_p95=_percentile_or_none(fc, 95),
             finished_by_reason=reasons, preemptions=sum(s.preempts for s in self.steps),
         )
 
 
-
-def _pct(values: list[float], p: float) -> float | None:
+def _percentile_or_none(values: list[float], p: float) -> float | None:
     return percentile(values, p) if values else None

@@ -3,7 +3,7 @@ hook that lets the CLI run model adapters without mtp_fsm importing `models` sta
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from typing import Any, Callable
 
 import attrs
@@ -27,21 +27,19 @@ class ModelLoadError(ValueError):
     """The import string does not name a usable talker factory."""
 
 
-def resolve(spec: str) -> Callable[..., Any]:
-    """'package.module:attr.path' -> the object it names."""
+def resolve(spec: str) -> Any:
+    """'package.module:attr.path' -> the object it names (pkgutil.resolve_name, clearer errors)."""
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
         raise ModelLoadError(f"model {spec!r}: expected an import string 'package.module:factory'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        return pkgutil.resolve_name(spec)
     except ImportError as exc:
         raise ModelLoadError(f"model {spec!r}: cannot import {module_name!r}: {exc}") from exc
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ModelLoadError(f"model {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
-    return obj
+    except AttributeError as exc:
+        raise ModelLoadError(f"model {spec!r}: cannot resolve {attr_path!r}: {exc}") from exc
+    except ValueError as exc:  # pkgutil: not dotted identifiers ("invalid format")
+        raise ModelLoadError(f"model {spec!r}: cannot resolve it: {exc}") from exc
 
 
 def load_talker(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedTalker:
@@ -58,7 +56,7 @@ def load_talker(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedTalker:
         return result
     if not isinstance(result, TalkerModel):
         raise ModelLoadError(f"model {spec!r}: the factory returned {type(result).__name__}, not a TalkerModel")
-    text_inputs = getattr(importlib.import_module(spec.partition(":")[0]), "text_inputs", None)
+    text_inputs = getattr(pkgutil.resolve_name(spec.partition(":")[0]), "text_inputs", None)  # imported above
     if text_inputs is None:
         raise ModelLoadError(f"model {spec!r}: its module defines no text_inputs(text); return a LoadedTalker instead")
     return LoadedTalker(result, text_inputs, result.spec.name)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import attrs
 import torch
 
+from .._util.threads import torch_threads  # noqa: F401  (re-exported: tests import it from here)
 from ..engine import LockstepEngine, NewRequest, Span, StepPlan
 from ..lifecycle import FinishReason
 from ..model_api import TalkerModel
@@ -15,18 +15,6 @@ from ..sampling import SamplingParams
 from .scripted import ScriptedTalker, ScriptInputs
 
 ModelFactory = Callable[[], TalkerModel]
-
-
-@contextlib.contextmanager
-def torch_threads(n: int = 1) -> Iterator[None]:
-    """Run tiny-tensor tests on n intra-op threads (restored after): on a small shared
-    machine, thread hand-offs for 16-wide tensors cost far more than the arithmetic."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def scripted_mtp() -> ScriptedTalker:

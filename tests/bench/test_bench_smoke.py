@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from mtp_fsm.bench.counters import constant_in_batch, count_call, engine_counts_by_batch
 from mtp_fsm.bench.drivers import DRIVERS, check_same_frames, make_drivers, make_requests
 from mtp_fsm.bench.null_model import NullInputs, NullTalker, lifecycle_config
 from mtp_fsm.bench.report import markdown_report, markdown_table
 from mtp_fsm.bench.run import evaluate_targets
 from mtp_fsm.bench.timing import bench_batch
+from mtp_fsm.testing.alone import torch_threads
 
 CONFIG = lifecycle_config(max_context=32)
 
@@ -52,12 +51,8 @@ def test_naive_counts_grow_with_batch():
 
 
 def test_bench_batch_and_report():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         row = bench_batch(CONFIG, 2, tuple(DRIVERS), budget_s=0.0, min_reps=2, log=lambda _: None)
-    finally:
-        torch.set_num_threads(threads)
     assert row["frames_identical"] and row["reps"] == 2
     for name in DRIVERS:
         assert row["designs"][name]["frames_per_step"] == [2]

@@ -29,10 +29,10 @@ def _run(max_slots, preempt_after_steps=None, abort_when_preempted=False):
 
 def test_preemption_finishes_everyone_with_identical_frames():
     reference, ref_sink, _, _ = _run(max_slots=7)
-    assert reference.scheduler.num_preemptions == 0
+    assert reference.engine.scheduler.num_preemptions == 0
     serving, sink, preempted, _ = _run(max_slots=2, preempt_after_steps=1)
-    assert serving.scheduler.num_preemptions >= 2 and preempted
-    assert serving.metrics.summary().preemptions == serving.scheduler.num_preemptions
+    assert serving.engine.scheduler.num_preemptions >= 2 and preempted
+    assert serving.metrics.summary().preemptions == serving.engine.scheduler.num_preemptions
     assert sorted(sink.finished) == sorted(ref_sink.finished)
     for rid, finished in ref_sink.finished.items():
         assert sink.finished[rid].reason == finished.reason != FinishReason.ERROR
@@ -46,12 +46,12 @@ def test_plan_never_schedules_a_request_it_preempts_or_aborts():
     for req in _requests():
         serving.submit(req)
     while not serving.idle:
-        plan = serving.scheduler.schedule(serving.engine)
+        plan = serving.engine.scheduler.schedule()
         gone = set(plan.preempts) | set(plan.aborts) | set(plan.releases)
         assert not gone & {s.request_id for s in plan.rows}
         assert not set(plan.preempts) & set(plan.resumes)
         serving.step()
-    assert serving.scheduler.num_preemptions > 0 and len(sink.finished) == 7
+    assert serving.engine.scheduler.num_preemptions > 0 and len(sink.finished) == 7
 
 
 def test_abort_of_preempted_request():
@@ -63,4 +63,64 @@ def test_abort_of_preempted_request():
 
 def test_no_preemption_without_the_option():
     serving, sink, preempted, _ = _run(max_slots=2)
-    assert not preempted and serving.scheduler.num_preemptions == 0 and len(sink.finished) == 7
+    assert not preempted and serving.engine.scheduler.num_preemptions == 0 and len(sink.finished) == 7
+
+
+def _trace(serving):
+    """Run to idle; per step: (plan, output) with check_bookkeeping between steps."""
+    eng, trace = serving.engine, []
+    while not serving.idle:
+        plan = eng.scheduler.schedule()
+        trace.append((plan, serving.step()))
+        check_bookkeeping(serving)
+    return trace
+
+
+def test_blocked_head_preempts_the_most_recently_admitted_and_resumes_go_before_admissions():
+    lengths = {"a": 4, "b": 20, "c": 20, "d": 3}
+    serving, sink = loop(max_slots=2, preempt_after_steps=1)
+    for rid, max_frames in lengths.items():
+        serving.submit(request(rid, max_frames=max_frames))
+    trace = _trace(serving)
+    preempts = [(k, plan.preempts, out.preempted) for k, (plan, out) in enumerate(trace) if plan.preempts]
+    # c is the blocked head from step 1; blocked for more than 1 step, step 2 preempts b (admitted
+    # after a) and admits c in its place. After its resume b is the newest again, so d's wait
+    # (blocked from step 5) preempts b once more.
+    assert preempts == [(2, ("b",), ("b",)), (6, ("b",), ("b",))]
+    admits = {r.request_id: k for k, (plan, _) in enumerate(trace) for r in plan.new_requests}
+    assert admits == {"a": 0, "b": 0, "c": 2, "d": 6}
+    resumes = [(k, plan.resumes, [(s.request_id, s.num_tokens) for s in plan.rows if s.request_id == "b"])
+               for k, (plan, _) in enumerate(trace) if plan.resumes]
+    # a's slot frees at step 4: b (preempted) resumes there although d was queued earlier; its
+    # resume prefill is the prompt (5) plus the frames published before (2, then 4), in chunks of 8.
+    assert resumes == [(4, ("b",), [("b", 7)]), (9, ("b",), [("b", 8)])]
+    assert serving.engine.scheduler.num_preemptions == 2 == serving.metrics.summary().preemptions
+    reference, ref_sink = loop(max_slots=4)
+    for rid, max_frames in lengths.items():
+        reference.submit(request(rid, max_frames=max_frames))
+    reference.run_until_idle(max_steps=100)
+    assert sink.frames == ref_sink.frames and sink.reasons() == ref_sink.reasons()
+    assert sink.finished["b"].num_frames == 20
+
+
+def test_explicit_preempt_releases_the_slot_and_the_request_resumes_with_its_frames():
+    serving, sink = loop(max_slots=1)
+    serving.submit(request("a", max_frames=6))
+    serving.submit(request("b", max_frames=3))
+    serving.step()
+    serving.step()
+    eng = serving.engine
+    assert eng.preempt("a") and not eng.preempt("b") and not eng.preempt("zzz")  # b is queued: no slot
+    out = serving.step()
+    assert out.preempted == ("a",) and [f.request_id for f in out.finished] == []
+    record = eng.ledger.record("a", "inspect")
+    assert (record.state.label, record.slot, record.num_frames) == ("preempted", None, 2)
+    assert "b" in eng.ledger.records and not eng.ledger.queued  # a's slot went to b at the same boundary
+    check_bookkeeping(serving)
+    _trace(serving)
+    assert [i for i, _ in sink.frames["a"]] == list(range(6)) and sink.finished["a"].reason is FinishReason.LENGTH
+    reference, ref_sink = loop(max_slots=2)
+    for req in (request("a", max_frames=6), request("b", max_frames=3)):
+        reference.submit(req)
+    reference.run_until_idle(max_steps=50)
+    assert sink.frames == ref_sink.frames
