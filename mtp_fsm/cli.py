@@ -96,18 +96,18 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from .engine import LockstepEngine, NewRequest
-    from .serving import ChunkingSink, JsonlSink, Scheduler, ServingLoop
+    from .serving import ChunkingSink, JsonlSink, SchedulingPolicy, ServingLoop
     from .serving.model_loader import load_talker
     from .serving.plots import plot_states
 
     os.makedirs(args.out, exist_ok=True)
     talker = load_talker(args.model, seed=args.seed)
-    engine = LockstepEngine(talker.model, args.max_slots, kernels=args.kernels)
-    scheduler = Scheduler(args.max_slots, args.token_budget, args.prefill_chunk, preempt_after_steps=args.preempt_after)
+    policy = SchedulingPolicy(args.token_budget, args.prefill_chunk, preempt_after_steps=args.preempt_after)
+    engine = LockstepEngine(talker.model, args.max_slots, kernels=args.kernels, policy=policy)
     chunk_sizes: list[int] = []  # a stand-in vocoder: the demo only counts what it would decode
     chunker = ChunkingSink(lambda chunk: chunk_sizes.append(len(chunk.frames)), num_codebooks=engine.spec.num_codebooks)
     jsonl = JsonlSink(os.path.join(args.out, "frames.jsonl"))
-    loop = ServingLoop(engine, scheduler, sinks=(jsonl, chunker))
+    loop = ServingLoop(engine, sinks=(jsonl, chunker))
     print(f"mtp-fsm demo: {talker.name}, {args.requests} requests, {args.max_slots} slots, "
           f"budget {args.token_budget}, chunk {args.prefill_chunk}", file=sys.stderr)
     try:

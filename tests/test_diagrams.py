@@ -23,12 +23,22 @@ def test_readme_carries_the_current_diagram():
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_every_declared_transition_is_drawn(variant):
+def test_every_declared_transition_is_drawn_with_its_guard(variant):
+    """Each edge appears with its trigger and guard (parallel edges share one arrow, `a | b`)."""
     spec = VARIANTS[variant]()
-    mermaid = mermaid_source(spec)
+    drawn: dict[tuple[str, str], set[str]] = {}
+    for line in mermaid_source(spec).splitlines():
+        arrow, _, label = line.strip().partition(": ")
+        if " --> " in arrow and label:
+            source, dest = arrow.split(" --> ")
+            drawn.setdefault((source, dest), set()).update(label.split(" | "))
+    want: dict[tuple[str, str], set[str]] = {}
     for t in spec.transitions:
+        guarded = t.guard is not None and t.guard.predicates
+        label = f"{t.trigger.label} [{t.guard.describe()}]" if guarded else t.trigger.label
         for source in t.sources:
-            assert f"{source.label} --> {t.dest.label}: {t.trigger.label}" in mermaid
+            want.setdefault((source.label, t.dest.label), set()).add(label)
+    assert drawn == want
 
 
 def test_sources_render_without_the_dot_binary(tmp_path):

@@ -127,13 +127,17 @@ def test_kept_set_matches_engine_filter(batch):
         assert torch.equal(kept_ids(scores[row], p.top_k, p.top_p) & real, engine[row] & real), p
 
 
-def test_top_p_boundary_is_strict():
+def test_top_p_boundary_is_strict_and_float32():
     # Fixed-point weights 2**24, 2**24 - 4096 and 4096: with top_p = 0.5 the second id's mass
     # before (2**24) is exactly half the total, so it is not < top_p and is dropped.
     scores = torch.tensor([0.0, -1 / 4096, -34069 / 4096])
-    for top_p, expected in ((0.5, [True, False, False]), (0.5000001, [True, True, False])):
-        engine = filter_mask(scores[None], torch.tensor([0]), torch.tensor([top_p], dtype=torch.float32))[0]
-        assert kept_ids(scores, 0, top_p).tolist() == engine.tolist() == expected
+    # A fourth id of weight 1 tips the balance, but only for top_p taken in float32 as the
+    # engine stores it: float32(0.5 - 2**-27) is 0.5, in float64 floor(p * 2**24) is 2**23 - 1.
+    tipped = torch.tensor([0.0, -1 / 4096, -34069 / 4096, -64449 / 4096])
+    cases = ((scores, 0.5, [1, 0, 0]), (scores, 0.5000001, [1, 1, 0]), (tipped, 0.5 - 2**-27, [1, 1, 0, 0]))
+    for row, top_p, expected in cases:
+        engine = filter_mask(row[None], torch.tensor([0]), torch.tensor([top_p], dtype=torch.float32))[0]
+        assert kept_ids(row, 0, top_p).tolist() == engine.tolist() == [bool(e) for e in expected], top_p
 
 
 # -- the tiny Qwen3-TTS model ----------------------------------------------------------------

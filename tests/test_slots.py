@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from mtp_fsm.engine import LockstepEngine, NewRequest, Span, StepPlan
 from mtp_fsm.kernels.contract import StagedAdmits
 from mtp_fsm.kernels.reference import apply_admits
-from mtp_fsm.lifecycle import FinishReason, State, compile_table, mtp_lifecycle
+from mtp_fsm.lifecycle import FinishReason, State, Trigger, compile_lifecycle, mtp_lifecycle
 from mtp_fsm.model_api import ColumnSpec, PreparedPrompt
 from mtp_fsm.slots import ERR_ILLEGAL, SlotAllocator, SlotTable
 from mtp_fsm.testing import ScriptedTalker, ScriptInputs
@@ -132,7 +132,7 @@ def test_every_column_is_reinitialised_on_admit():
         "buf": torch.tensor([[1.0, 2.0], [3.0, 4.0]]),  # shorter leading dim of a model column
     }
     untouched = t.row(1)
-    apply_admits(t, compile_table(mtp_lifecycle()).table, StagedAdmits(slots, values))
+    apply_admits(t, compile_lifecycle(mtp_lifecycle()).to("cpu"), StagedAdmits(slots, values, int(Trigger.ADMIT)))
     defaults = t.column_defaults()
     for i, slot in enumerate(slots.tolist()):
         for name, col in t.columns().items():
@@ -155,7 +155,7 @@ def test_every_column_is_reinitialised_on_admit():
 def test_admitting_a_row_that_is_not_free_sets_the_sticky_error():
     t = SlotTable.allocate(2, SPEC)
     t.state[1] = State.DECODING
-    apply_admits(t, compile_table(mtp_lifecycle()).table, StagedAdmits(torch.tensor([1]), {}))
+    apply_admits(t, compile_lifecycle(mtp_lifecycle()).to("cpu"), StagedAdmits(torch.tensor([1]), {}, int(Trigger.ADMIT)))
     assert int(t.error[1]) == ERR_ILLEGAL and int(t.state[1]) == State.DECODING
 
 

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_fsm.bench", description=__doc__)
     parser.add_argument("--out-dir", default="benchmarks", help="where results.json/.md and step_time.png go")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: small ops are latency-bound; threads thrash on a busy VM)")
+                        help="torch intra-op threads (0: torch's default; 1: small ops are latency-bound, threads thrash on a busy VM)")
     parser.add_argument("--budget", type=float, default=8.0, help="seconds of timed steps per batch size")
     parser.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=BATCH_SIZES)
     parser.add_argument("--naive-max-batch", type=int, default=None, help="skip the naive designs above this batch")

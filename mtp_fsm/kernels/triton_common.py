@@ -110,7 +110,7 @@ def run_stage(rules_ptr, chain_ptr, STAGE: tl.constexpr, state, word, owned, rea
         reason = tl.where(ok & (why != 0), why, reason)
         published = published | (ok & (emits != 0))
         fired = fired | ok
-    stuck = stuck | (owned & ~fired)
+    stuck = stuck | (owned & ~fired & (total != 0))
     return new, reason, published, stuck
 
 

@@ -358,10 +358,10 @@ def random_lifecycle(seed: int) -> DeviceLifecycle:
     publishing edges anywhere): the generic executors must still agree bit for bit."""
     g = torch.Generator().manual_seed(seed)
     nt, ns = len(Trigger), len(State)
-    words = 1 << len(Predicate)
-    dest = torch.where(torch.rand(nt, ns, generator=g) < 0.45, _ints(g, 0, ns, nt, ns), -1)
-    must = _ints(g, 0, words, nt, ns) & _ints(g, 0, words, nt, ns)  # sparse masks
-    must_not = _ints(g, 0, words, nt, ns) & _ints(g, 0, words, nt, ns) & ~must
+    dest = torch.where(torch.rand(nt, ns, generator=g) < 0.8, _ints(g, 0, ns, nt, ns), -1)
+    bits = 1 << torch.arange(len(Predicate))
+    must = ((torch.rand(nt, ns, len(Predicate), generator=g) < 0.15) * bits).sum(-1)  # sparse guards
+    must_not = ((torch.rand(nt, ns, len(Predicate), generator=g) < 0.15) * bits).sum(-1) & ~must
     reason = torch.where(torch.rand(nt, ns, generator=g) < 0.4, _ints(g, 1, 6, nt, ns), 0)
     publishes = (torch.rand(nt, ns, generator=g) < 0.3).long()
     rules = torch.stack([dest, must, must_not, reason, publishes]).int().contiguous()

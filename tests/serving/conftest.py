@@ -2,12 +2,11 @@
 threads only spin (badly so on a shared CI box), making the suite several times slower."""
 
 import pytest
-import torch
+
+from mtp_fsm._util.threads import torch_threads
 
 
 @pytest.fixture(autouse=True)
 def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield

@@ -37,16 +37,18 @@ def test_bad_field_rejected_at_submit_others_unaffected():
     assert sink.frames == _reference_frames()
 
 
-def test_prompt_problems_found_at_admission_reject_only_that_request():
-    # Too long for the context and empty: only the engine's admission check sees these;
-    # the plan that admitted them with good requests is rebuilt without them.
+def test_prompt_problems_reject_only_that_request():
+    # Too long for the context and empty: only the prepared prompt shows these. The engine
+    # prepares a request when it is queued, so submit reports them, between good requests
+    # that are served as if the bad ones had never been sent.
     serving, sink = loop(max_slots=4)
     good = _good()
-    serving.submit(good[0])
-    assert serving.submit(request("long", prompt_len=200))
-    serving.submit(good[1])
-    assert serving.submit(NewRequest("empty", ScriptInputs(prompt=()), max_frames=3))
-    serving.submit(good[2])
+    assert serving.submit(good[0])
+    assert not serving.submit(request("long", prompt_len=200))
+    assert serving.submit(good[1])
+    assert not serving.submit(NewRequest("empty", ScriptInputs(prompt=()), max_frames=3))
+    assert serving.submit(good[2])
+    assert list(serving.engine.ledger.queued) == ["g0", "g1", "g2"]
     serving.run_until_idle(max_steps=100)
     for rid, what in (("long", "does not fit the context"), ("empty", "prompt is empty")):
         assert sink.finished[rid].reason is FinishReason.ERROR and sink.finished[rid].num_frames == 0
