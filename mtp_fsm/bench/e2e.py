@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
-import statistics
+import pkgutil
 import time
 from typing import Sequence
 
 import attrs
 import torch
 
-from ..engine import LockstepEngine, NewRequest, Span, StepPlan
+from .._util.stats import percentile
+from ..engine import LockstepEngine, NewRequest, SchedulingPolicy
 from ..sampling import SamplingParams
 
-DEFAULT_MODEL = "models.qwen3_tts"  # resolved with importlib at run time (mtp_fsm never imports models)
+DEFAULT_MODEL = "models.qwen3_tts"  # resolved by name at run time (mtp_fsm never imports models)
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven small voices read "
     "numbers aloud in a quiet room near the old harbour under grey autumn skies"
@@ -22,7 +22,7 @@ WORDS = (
 
 def load_tiny_talker(import_path: str = DEFAULT_MODEL, *, seed: int = 0, dtype: torch.dtype = torch.float32):
     """(model, inputs factory) of the tiny Qwen3-TTS, imported by name at run time."""
-    module = importlib.import_module(import_path)
+    module = pkgutil.resolve_name(import_path)
     model = module.Qwen3TTSTalker(module.tiny_config(), seed=seed, dtype=dtype)
     return model, (lambda text: module.TTSInputs(text=text))
 
@@ -56,49 +56,42 @@ class RunResult:
 
 
 def run_engine(model, requests: Sequence[NewRequest], prompt_lens: dict[str, int], max_slots: int) -> RunResult:
-    """Admit as many requests as slots allow, prefill each in one chunk, decode until all finish."""
-    engine = LockstepEngine(model, max_slots=max_slots)
-    pending, live, releases = list(requests), [], []
+    """All requests arrive at t0; the engine's built-in policy admits them as slots allow,
+    prefills each prompt in one chunk and decodes until all finish."""
+    unbounded = max(prompt_lens.values(), default=1) * (len(requests) + max_slots)
+    engine = LockstepEngine(model, max_slots=max_slots, policy=SchedulingPolicy(unbounded, unbounded))
     frames = {r.request_id: [] for r in requests}
     first, admitted, done, reasons = {}, {}, {}, {}
     steps = 0
     t0 = time.perf_counter()
-    while pending or live:
-        room = engine.num_free_slots + len(releases)
-        new, pending = pending[:room], pending[room:]
-        now = time.perf_counter() - t0
-        for r in new:
-            admitted[r.request_id] = now
-        rows = [Span(rid, 1) for rid in live] + [Span(r.request_id, prompt_lens[r.request_id]) for r in new]
-        out = engine.step(StepPlan(new_requests=tuple(new), rows=tuple(rows), releases=tuple(releases)))
+    for request in requests:
+        engine.add_request(request)
+    while True:
+        started = time.perf_counter() - t0
+        out = engine.step()
+        if out is None:
+            break
         steps += 1
         now = time.perf_counter() - t0
-        live += [r.request_id for r in new]
-        codes = out.frames.codes.tolist()
-        for rid, c in zip(out.frames.request_ids, codes):
+        for rid, record in engine.ledger.all_records():  # holding a slot: admitted by now
+            if record.slot is not None:
+                admitted.setdefault(rid, started)
+        for rid, c in zip(out.frames.request_ids, out.frames.codes.tolist()):
             if not frames[rid]:
                 first[rid] = now
             frames[rid].append(tuple(c))
-        releases = []
         for fin in out.finished:
-            live.remove(fin.request_id)
-            releases.append(fin.request_id)
             done[fin.request_id] = now
             reasons[fin.request_id] = fin.reason.label
     wall = time.perf_counter() - t0
     return RunResult(wall, steps, frames, first, admitted, done, reasons)
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def summarise(frames: int, wall_s: float, first_frame_s: list[float]) -> dict:
     return {
         "frames": frames, "wall_s": wall_s, "frames_per_s": frames / wall_s if wall_s else 0.0,
-        "first_frame_ms_p50": 1e3 * statistics.median(first_frame_s),
-        "first_frame_ms_p90": 1e3 * _pct(first_frame_s, 0.9),
+        "first_frame_ms_p50": 1e3 * percentile(first_frame_s, 50),
+        "first_frame_ms_p90": 1e3 * percentile(first_frame_s, 90),
         "first_frame_ms_max": 1e3 * max(first_frame_s),
     }
 

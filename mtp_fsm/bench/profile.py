@@ -135,7 +135,7 @@ class _Timed:
             self.sink[0] += time.perf_counter() - t0
 
 
-NAIVE_HOOKS = ("on_sample", "on_eos", "on_mtp", "on_publish")
+NAIVE_HOOKS = ("run_phase", "on_frame")  # the naive drivers' lifecycle hooks
 
 
 def naive_breakdown(driver, steps: int) -> dict:

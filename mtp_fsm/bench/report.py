@@ -8,7 +8,7 @@ from .._util.marked_block import replace_marked_block
 
 DESIGN_TITLES = {
     "engine": "lockstep engine",
-    "transitions": "transitions Machine per request",
+    "transitions": "transitions static machine, FSM per request",
     "dict_loop": "per-request dict loop",
 }
 
