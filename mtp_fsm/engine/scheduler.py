@@ -41,7 +41,7 @@ class Scheduler:
 
     Holds only policy state (pending client aborts and preemptions, preemption order, how
     long the queue head has waited); every fact about a request is read from its one host
-    record in the ledger. schedule() changes nothing; update() commits a step's plan.
+    record in the ledger. schedule() changes no request; update() commits a step's plan.
     """
 
     def __init__(self, ledger: Ledger, policy: SchedulingPolicy) -> None:
@@ -51,7 +51,7 @@ class Scheduler:
         self._preempted: list[str] = []  # resumed in this order
         self._wait_head: str | None = None
         self._head_wait = 0
-        self._blocked: str | None = None
+        self._planned: tuple[StepPlan, str | None] | None = None  # last plan built, and its blocked head
         self.num_preemptions = 0
 
     # -- client side ---------------------------------------------------------------------
@@ -70,7 +70,9 @@ class Scheduler:
     def preempt(self, request_id: str) -> bool:
         """Preempt a running request in the next plan (e.g. memory pressure seen by the caller)."""
         record = self.ledger.records.get(request_id)
-        if record is None or record.slot is None or self.ledger.sync(record).state not in self.ledger.live_states:
+        if record is None or record.slot is None or request_id in self._aborts:
+            return False
+        if self.ledger.sync(record).state not in self.ledger.live_states:
             return False
         self._preempts[request_id] = None
         return True
@@ -103,7 +105,6 @@ class Scheduler:
         if blocked and limit is not None and self._head_waits(head) > limit and not preempts and running:
             preempts.append(running[-1].request_id)  # the most recently admitted
             blocked = False
-        self._blocked = head if blocked else None
         free += len(preempts)
         gone.update(preempts)
 
@@ -132,8 +133,10 @@ class Scheduler:
                 admitted.append(record.request)
                 free -= 1
                 budget -= self._chunk(rows, record.request_id, record.prompt_len, budget)
-        return StepPlan(new_requests=tuple(admitted), rows=tuple(rows), aborts=aborts, preempts=tuple(preempts),
+        plan = StepPlan(new_requests=tuple(admitted), rows=tuple(rows), aborts=aborts, preempts=tuple(preempts),
                         resumes=tuple(resumes), releases=releases)
+        self._planned = (plan, head if blocked else None)
+        return plan
 
     def _chunk(self, rows: list[Span], request_id: str, remaining: int, budget: int) -> int:
         n = min(self.policy.prefill_chunk, remaining, budget)
@@ -163,10 +166,13 @@ class Scheduler:
         for finished in output.finished:  # e.g. a request the model failed while an abort was pending
             self._aborts.pop(finished.request_id, None)
             self._preempts.pop(finished.request_id, None)
-        if self._blocked is None:
+        # The head's wait counts only steps that ran this policy's own plan.
+        blocked = self._planned[1] if self._planned is not None and self._planned[0] is plan else None
+        self._planned = None
+        if blocked is None:
             self._wait_head, self._head_wait = None, 0
         else:
-            self._head_wait, self._wait_head = self._head_waits(self._blocked), self._blocked
+            self._head_wait, self._wait_head = self._head_waits(blocked), blocked
 
 
 def is_empty(plan: StepPlan) -> bool:

@@ -91,22 +91,25 @@ class _Walk:
         return self.fsm.code
 
     def phase(self, phase: Phase, facts_for) -> list[Transition]:
-        """Oracle.run_phase's loop, keeping each fired edge's declaration (looked up by its
-        source): facts_for(edges fired so far) gives each stage's predicates."""
-        edges: list[Transition] = []
-        for stage in self.spec.stages_of(phase):
-            source = self.state
-            trigger = self.oracle.run_stage(self.fsm, stage, facts_for(edges))
-            if trigger is None:
-                continue
-            edge = self.spec.transition(trigger, source)
-            edges.append(edge)
+        """Oracle.run_phase; facts_for(edges fired so far) gives each stage's predicates.
+        Returns the fired edges' declarations, looked up by (trigger, source state)."""
+        source_of: dict[Trigger, State] = {}  # a trigger belongs to one stage (the compiler's rule)
+
+        def edges(fired: list[Trigger]) -> list[Transition]:
+            return [self.spec.transition(t, source_of[t]) for t in fired]
+
+        def facts(stage, fired):  # called just before `stage` runs: the row is at its source
+            source_of.update((t, self.state) for t in stage.triggers)
+            return facts_for(edges(fired))
+
+        fired = edges(self.oracle.run_phase(self.fsm, phase, facts))
+        for edge in fired:
             if edge.reason is not FinishReason.NONE:  # the last recorded reason is the request's
                 when = edge.guard.resolved()[0] if edge.guard is not None else ()
                 kinds = [_ERROR_KINDS[p] for p in when if p in _ERROR_KINDS]
                 self.reason = edge.reason
                 self.error_kind = kinds[0] if edge.reason is FinishReason.ERROR and kinds else None
-        return edges
+        return fired
 
 
 def _bind_one_slot(model: TalkerModel, prepared: PreparedPrompt, device: torch.device) -> dict[str, torch.Tensor]:
