@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from mtp_fsm.engine import LockstepEngine, Span, StepPlan
 from mtp_fsm.lifecycle import State
 from mtp_fsm.lifecycle.variants import CLASSES
-from mtp_fsm.testing.alone import reference_runs, scripted_mtp, scripted_single, torch_threads
+from mtp_fsm.testing.alone import scripted_mtp, scripted_single, torch_threads
+from mtp_fsm.testing.references import reference_runs
 from mtp_fsm.testing.oracle_driver import OracleDriver
 from mtp_fsm.testing.stateful import scripted_requests
 
@@ -26,7 +27,7 @@ def _one_thread():
 
 
 def refs(variant: str):
-    return reference_runs(FACTORIES[variant], kernels="torch")
+    return reference_runs(FACTORIES[variant])
 
 
 @settings(FAST, max_examples=100)
@@ -90,7 +91,7 @@ def run_batched(variant, defs, max_slots, data, fillers=()):
             left = record.prompt_len - record.num_computed
             rows.append(Span(rid, data.draw(st.integers(1, left), label="chunk") if left > 0 else 1))
         for req in admit:
-            n = reference_runs(FACTORIES[variant], kernels="torch").prompt_len(req.inputs)
+            n = reference_runs(FACTORIES[variant]).prompt_len(req.inputs)
             rows.append(Span(req.request_id, data.draw(st.integers(1, n), label="chunk")))
         rows = data.draw(st.permutations(rows), label="order")
         if data.draw(st.booleans(), label="pad"):

@@ -1,4 +1,4 @@
-"""Reference runs: the frames (or EOS / error) each request produces ALONE in a fresh engine."""
+"""Request definitions, alone-run results, and `run_alone`: a request alone in a fresh one-slot engine."""
 
 from __future__ import annotations
 
@@ -92,13 +92,13 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
             kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
             run = AloneRun(tuple(frames), done.reason, kind)
             if isinstance(definition.inputs, ScriptInputs):
-                _check_script(definition.inputs, run, model.spec.has_mtp)
+                check_script(definition.inputs, run, model.spec.has_mtp)
             return run
         out = engine.step(StepPlan(rows=(Span("alone", 1),)))
     raise AssertionError(f"alone run of {definition} never finished")
 
 
-def _check_script(inputs: ScriptInputs, run: AloneRun, has_mtp: bool) -> None:
+def check_script(inputs: ScriptInputs, run: AloneRun, has_mtp: bool) -> None:
     """The alone run is itself an engine run: hold it to the script, so an engine that
     ignored a forced EOS or NaN everywhere would not agree with itself unnoticed."""
 
@@ -119,43 +119,3 @@ def _check_script(inputs: ScriptInputs, run: AloneRun, has_mtp: bool) -> None:
     else:
         ok = True
     assert not early and ok, f"alone run of {inputs} ended {run.reason.label}/{run.error_kind} after {n} frames"
-
-
-class ReferenceRuns:
-    """Alone runs computed lazily and cached per request definition."""
-
-    def __init__(self, model_factory: ModelFactory, **engine_kwargs) -> None:
-        self.model_factory, self.engine_kwargs = model_factory, engine_kwargs
-        self._runs: dict[RequestDef, AloneRun] = {}
-        self._prompt_lens: dict[Any, int] = {}
-        self._model: TalkerModel | None = None
-
-    def get(self, definition: RequestDef) -> AloneRun:
-        run = self._runs.get(definition)
-        if run is None:
-            run = self._runs[definition] = run_alone(self.model_factory, definition, **self.engine_kwargs)
-        return run
-
-    def prompt_len(self, inputs: Any) -> int:
-        n = self._prompt_lens.get(inputs)
-        if n is None:
-            self._model = self._model or self.model_factory()
-            n = self._prompt_lens[inputs] = int(self._model.prepare(inputs).prompt_embeds.shape[0])
-        return n
-
-    def __len__(self) -> int:
-        return len(self._runs)
-
-
-_CACHES: dict[tuple, ReferenceRuns] = {}
-
-
-def reference_runs(model_factory: ModelFactory, **engine_kwargs) -> ReferenceRuns:
-    """The shared cache for this (model factory, engine kwargs): alone runs survive examples."""
-    kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_slots"}
-    key = (model_factory, tuple(sorted(kwargs.items())))
-    if key not in _CACHES:
-        _CACHES[key] = ReferenceRuns(model_factory, **kwargs)
-    return _CACHES[key]
-
-

@@ -21,7 +21,8 @@ from ..engine import LockstepEngine, Span, StepOutput, StepPlan
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, length_reached, prompt_done
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import ModelSpec
-from .alone import ReferenceRuns, RequestDef
+from .alone import RequestDef
+from .references import ReferenceRuns
 
 @attrs.define(eq=False)
 class Tracked:

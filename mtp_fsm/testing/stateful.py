@@ -30,7 +30,8 @@ from ..errors import (
 from ..lifecycle import State, Trigger
 from ..model_api import ModelSpec
 from ..sampling import GREEDY, SamplingParams
-from .alone import ModelFactory, RequestDef, reference_runs, scripted_mtp, scripted_single
+from .alone import ModelFactory, RequestDef, scripted_mtp, scripted_single
+from .references import reference_runs
 from .oracle_driver import OracleDriver
 from .scripted import ScriptInputs
 
@@ -103,7 +104,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.engine = LockstepEngine(model_factory(), max_slots, **engine_kwargs)
         self.spec = self.engine.spec
         self.classes = self.engine.lifecycle.classes
-        self.refs = reference_runs(model_factory, **engine_kwargs)
+        self.refs = reference_runs(model_factory, engine_kwargs.get("lifecycle"))
         self.driver = OracleDriver(self.spec, max_slots, self.refs, self.engine.lifecycle)
         self.request_defs = (requests or scripted_requests)(self.spec)
         self.scripted = requests is None
