@@ -42,11 +42,11 @@ def test_random_schedules_give_the_oracles_states_and_frames(variant, max_slots,
     admitted = 0
     for _ in range(data.draw(st.integers(4, 24), label="steps")):
         reqs = driver.requests.values()
-        terminal = sorted(r.rid for r in reqs if r.slot is not None and r.state in CLASSES.terminal)
+        terminal = sorted(r.request_id for r in reqs if r.slot is not None and r.state in CLASSES.terminal)
         releases = [rid for rid in terminal if data.draw(st.booleans(), label=f"release {rid}")]
-        live = sorted(r.rid for r in reqs if r.slot is not None and r.state in CLASSES.live)
+        live = sorted(r.request_id for r in reqs if r.slot is not None and r.state in CLASSES.live)
         event = {rid: data.draw(st.sampled_from(["run"] * 6 + ["abort", "preempt"]), label=rid) for rid in live}
-        preempted = sorted(r.rid for r in reqs if r.state is State.PREEMPTED)
+        preempted = sorted(r.request_id for r in reqs if r.state is State.PREEMPTED)
         free = driver.num_free + len(releases) + sum(e != "run" for e in event.values())
         resumes = [rid for rid in preempted if data.draw(st.booleans(), label=f"resume {rid}")][:free]
         new = []

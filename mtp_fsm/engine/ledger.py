@@ -215,7 +215,7 @@ class Ledger:
             raise PlanError(rid, state.label, "cannot be scheduled in this state")
 
     def resume_prompt_len(self, record: RequestRecord) -> int:
-        return int(record.prepared.prompt_embeds.shape[0]) + record.num_frames
+        return record.base_prompt_len + record.num_frames
 
     # -- commit ------------------------------------------------------------------------
 

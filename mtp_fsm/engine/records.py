@@ -41,11 +41,16 @@ class RequestRecord:
         return self.fsm.code
 
     @property
+    def base_prompt_len(self) -> int:
+        """The request's own prompt (prompt_len adds the frames a resume replays)."""
+        return int(self.prepared.prompt_embeds.shape[0])
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_computed < self.prompt_len
 
-    def describe(self) -> str:
+    def __repr__(self) -> str:
         return (
-            f"request {self.request_id!r} state={self.state.label} slot={self.slot} "
-            f"computed={self.num_computed}/{self.prompt_len} frames={self.num_frames}"
+            f"RequestRecord({self.request_id!r}, state={self.state.label}, slot={self.slot}, serial={self.serial}, "
+            f"computed={self.num_computed}/{self.prompt_len}, frames={self.num_frames})"
         )

@@ -16,7 +16,7 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
     if not admitted:
         return None, None
     device = table.device
-    longest = max(int(r.prepared.prompt_embeds.shape[0]) for r in admitted)
+    longest = max(r.base_prompt_len for r in admitted)
     prompts = torch.zeros(len(admitted), longest, spec.hidden_size, dtype=spec.dtype)
     for i, r in enumerate(admitted):
         prompts[i, : r.prepared.prompt_embeds.shape[0]] = r.prepared.prompt_embeds
@@ -57,7 +57,7 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
             slots=torch.cat([torch.full((len(c),), r.slot, dtype=torch.int64) for r, c in replays]).to(device),
             frame_index=torch.cat([torch.arange(len(c)) for _, c in replays]).to(device),
             positions=torch.cat(
-                [torch.arange(len(c)) + int(r.prepared.prompt_embeds.shape[0]) for r, c in replays]
+                [torch.arange(len(c)) + r.base_prompt_len for r, c in replays]
             ).to(device),
             codes=torch.cat([c for _, c in replays]).to(device),
         )

@@ -21,27 +21,9 @@ from ..engine import LockstepEngine, Span, StepOutput, StepPlan
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, length_reached, prompt_done
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import ModelSpec
+from ..engine.records import RequestRecord
 from .alone import RequestDef
 from .references import ReferenceRuns
-
-@attrs.define(eq=False)
-class Tracked:
-    """One request as the oracle sees it."""
-
-    rid: str
-    definition: RequestDef
-    fsm: RequestFSM
-    prompt_len: int  # the request's own prompt
-    prompt_total: int  # positions to prefill (prompt + replayed frames after a resume)
-    slot: int | None
-    computed: int = 0
-    frames: int = 0
-    reason: FinishReason = FinishReason.NONE
-
-    @property
-    def state(self) -> State:
-        return self.fsm.code
-
 
 @attrs.define
 class Expected:
@@ -61,7 +43,7 @@ class OracleDriver:
         self.spec, self.max_slots, self.refs = spec, max_slots, refs
         self.oracle = Oracle(lifecycle)
         self.lifecycle, self.classes = lifecycle, lifecycle.classes
-        self.requests: dict[str, Tracked] = {}
+        self.requests: dict[str, RequestRecord] = {}
         self._free = list(range(max_slots))  # lowest free slot first, like the engine must
         self.steps = 0
 
@@ -77,14 +59,14 @@ class OracleDriver:
         gone = set(plan.aborts) | set(plan.preempts) | set(plan.releases)
         out: list[tuple[str, int | None]] = []
         for r in self.requests.values():
-            if r.rid in plan.resumes:
-                out.append((r.rid, r.prompt_len + r.frames))
-            elif r.rid in gone or r.slot is None:
+            if r.request_id in plan.resumes:
+                out.append((r.request_id, r.base_prompt_len + r.num_frames))
+            elif r.request_id in gone or r.slot is None:
                 continue
             elif r.state in self.classes.terminal:
-                out.append((r.rid, None))
+                out.append((r.request_id, None))
             else:
-                out.append((r.rid, max(r.prompt_total - r.computed, 0)))
+                out.append((r.request_id, max(r.prompt_len - r.num_computed, 0)))
         out += [(q.request_id, self.refs.prompt_len(q.inputs)) for q in plan.new_requests]
         return out
 
@@ -103,7 +85,7 @@ class OracleDriver:
             if r.slot is not None:
                 fire(r.fsm, Trigger.RELEASE)
                 self._release(r)
-            exp.finished[(rid, FinishReason.ABORT, r.frames)] += 1
+            exp.finished[(rid, FinishReason.ABORT, r.num_frames)] += 1
         for rid in plan.preempts:
             r = self.requests[rid]
             fire(r.fsm, Trigger.PREEMPT)
@@ -114,13 +96,13 @@ class OracleDriver:
         for rid in plan.resumes:
             r = self.requests[rid]
             fire(r.fsm, Trigger.RESUME)
-            r.prompt_total, r.computed = r.prompt_len + r.frames, 0
+            r.prompt_len, r.num_computed = r.base_prompt_len + r.num_frames, 0
             admitted.append(r)
         for q in plan.new_requests:
-            n = self.refs.prompt_len(q.inputs)
-            r = Tracked(q.request_id, RequestDef.of(q), self.oracle.new(q.request_id), n, n, None)
+            # The expected world's own record of the request (same type as the engine's, not shared).
+            r = RequestRecord(q, self.oracle.new(q.request_id), self.refs.prepared(q.inputs))
             fire(r.fsm, Trigger.ADMIT)
-            self.requests[r.rid] = r
+            self.requests[r.request_id] = r
             admitted.append(r)
         for r in admitted:
             r.slot = heapq.heappop(self._free)
@@ -129,7 +111,7 @@ class OracleDriver:
         self.steps += 1
         return exp
 
-    def _release(self, r: Tracked) -> None:
+    def _release(self, r: RequestRecord) -> None:
         heapq.heappush(self._free, r.slot)
         r.slot = None
 
@@ -141,9 +123,9 @@ class OracleDriver:
         exp.num_tokens += span.num_tokens
         r = self.requests[span.request_id]
         live = r.state in self.classes.live
-        done = prompt_done(r.computed, span.num_tokens, r.prompt_total)
+        done = prompt_done(r.num_computed, span.num_tokens, r.prompt_len)
         if live:
-            r.computed += span.num_tokens
+            r.num_computed += span.num_tokens
         outcome = self._outcome(r) if live and done else {}
         edges: list[tuple[Trigger, State]] = []  # every edge the row fired: (trigger, source)
         for phase in Phase:
@@ -153,43 +135,43 @@ class OracleDriver:
                             Predicate.EOS_SAMPLED: outcome.get("eos", False)}
                 if phase is Phase.MTP:
                     return {Predicate.MTP_NONFINITE: outcome.get("mtp", False)}
-                frames = r.frames + sum(self._publishes(e) for e in (*edges, *fired))  # counted once published
+                frames = r.num_frames + sum(self._publishes(e) for e in (*edges, *fired))  # counted once published
                 return {Predicate.LENGTH_REACHED: length_reached(
-                    frames, r.definition.max_frames, r.computed, self.spec.max_context)}
+                    frames, r.request.max_frames, r.num_computed, self.spec.max_context)}
 
             for edge in self.oracle.run_phase_edges(r.fsm, phase, facts):
                 edges.append(edge)
         published = any(self._publishes(e) for e in edges)
         if published:
-            exp.frames.append((r.rid, r.frames, self.refs.get(r.definition).frames[r.frames]))
-            r.frames += 1
+            exp.frames.append((r.request_id, r.num_frames, self.refs.get(RequestDef.of(r.request)).frames[r.num_frames]))
+            r.num_frames += 1
         for edge in edges:
             reason = self.lifecycle.transition(*edge).reason
             if reason is not FinishReason.NONE:
                 self._end(r, reason, exp)
         exp.valid.append(published)
-        exp.row_triggers.append((r.rid, tuple(t for t, _ in edges)))
+        exp.row_triggers.append((r.request_id, tuple(t for t, _ in edges)))
 
     def _publishes(self, edge) -> bool:
         return self.lifecycle.transition(*edge).publishes
 
-    def _outcome(self, r: Tracked) -> dict[str, bool]:
+    def _outcome(self, r: RequestRecord) -> dict[str, bool]:
         """What the kept sample at the request's next frame index is, per the alone run."""
-        f, run = r.frames, self.refs.get(r.definition)
+        f, run = r.num_frames, self.refs.get(RequestDef.of(r.request))
         if f < len(run.frames):
             return {}
         if f > len(run.frames) or run.reason in (FinishReason.LENGTH, FinishReason.NONE):
             raise AssertionError(
-                f"oracle: request {r.rid!r} samples frame {f} but its alone run ended after "
+                f"oracle: request {r.request_id!r} samples frame {f} but its alone run ended after "
                 f"{len(run.frames)} frames with reason {run.reason.label}"
             )
         if run.reason is FinishReason.EOS:
             return {"eos": True}
         return {run.error_kind: True}
 
-    def _end(self, r: Tracked, reason: FinishReason, exp: Expected) -> None:
-        r.reason = reason
-        exp.finished[(r.rid, reason, r.frames)] += 1
+    def _end(self, r: RequestRecord, reason: FinishReason, exp: Expected) -> None:
+        r.finish_reason = reason
+        exp.finished[(r.request_id, reason, r.num_frames)] += 1
 
     # -- checks -------------------------------------------------------------------------
 
@@ -247,25 +229,25 @@ class OracleDriver:
             raise AssertionError(f"engine knows {sorted(engine.requests())}, oracle {sorted(self.requests)}")
         owned: dict[int, str] = {}
         for r in self.requests.values():
-            record = ledger.records[r.rid]
+            record = ledger.records[r.request_id]
             if record.slot != r.slot:
-                raise AssertionError(f"{r.rid!r} holds slot {record.slot}, deterministic allocation says {r.slot}")
-            if engine.request_state(r.rid) is not r.state:
-                raise AssertionError(f"{r.rid!r}: host mirror {engine.request_state(r.rid).label} != oracle {r.state.label}")
+                raise AssertionError(f"{r.request_id!r} holds slot {record.slot}, deterministic allocation says {r.slot}")
+            if engine.request_state(r.request_id) is not r.state:
+                raise AssertionError(f"{r.request_id!r}: host mirror {engine.request_state(r.request_id).label} != oracle {r.state.label}")
             if r.slot is None:
                 continue
             if r.slot in owned:
-                raise AssertionError(f"slot {r.slot} owned by {owned[r.slot]!r} and {r.rid!r}")
-            owned[r.slot] = r.rid
+                raise AssertionError(f"slot {r.slot} owned by {owned[r.slot]!r} and {r.request_id!r}")
+            owned[r.slot] = r.request_id
             if state[r.slot] != r.state:
-                raise AssertionError(f"{r.rid!r} slot {r.slot}: device state {State(state[r.slot]).label} "
+                raise AssertionError(f"{r.request_id!r} slot {r.slot}: device state {State(state[r.slot]).label} "
                                      f"!= oracle {r.state.label}")
             row_frames, row_reason = int(table.num_frames[r.slot]), int(table.finish_reason[r.slot])
-            if row_frames != r.frames or row_reason != r.reason:
-                raise AssertionError(f"{r.rid!r} slot {r.slot}: device frames/reason {row_frames}/"
-                                     f"{FinishReason(row_reason).label} != oracle {r.frames}/{r.reason.label}")
+            if row_frames != r.num_frames or row_reason != r.finish_reason:
+                raise AssertionError(f"{r.request_id!r} slot {r.slot}: device frames/reason {row_frames}/"
+                                     f"{FinishReason(row_reason).label} != oracle {r.num_frames}/{r.finish_reason.label}")
             if int(table.serial[r.slot]) != record.serial or record.serial == 0:
-                raise AssertionError(f"{r.rid!r} slot {r.slot}: serial {int(table.serial[r.slot])} != {record.serial}")
+                raise AssertionError(f"{r.request_id!r} slot {r.slot}: serial {int(table.serial[r.slot])} != {record.serial}")
         in_use = set(ledger.allocator.in_use())
         if in_use != set(owned) or ledger.allocator.num_free + len(owned) != n:
             raise AssertionError(f"slot leak: allocator in use {sorted(in_use)} free {ledger.allocator.num_free}, "
@@ -276,6 +258,6 @@ class OracleDriver:
             if state[slot] in self.classes.in_step:
                 raise AssertionError(f"slot {slot} rests in within-step state {State(state[slot]).label}")
 
-    def live(self) -> list[Tracked]:
+    def live(self) -> list[RequestRecord]:
         return [r for r in self.requests.values() if r.slot is not None and r.state in self.classes.live]
 

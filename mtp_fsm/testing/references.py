@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..lifecycle import LifecycleSpec, lifecycle_for
-from ..model_api import TalkerModel
+from ..model_api import PreparedPrompt, TalkerModel
 from .alone import AloneRun, ModelFactory, RequestDef, check_script
 from .interpreter import interpret
 from .scripted import ScriptInputs
@@ -18,7 +18,7 @@ class ReferenceRuns:
         self.model_factory = model_factory
         self._lifecycle = lifecycle
         self._runs: dict[RequestDef, AloneRun] = {}
-        self._prompt_lens: dict[Any, int] = {}
+        self._prepared: dict[Any, PreparedPrompt] = {}
         self._model: TalkerModel | None = None
 
     def _shared_model(self) -> TalkerModel:
@@ -35,11 +35,15 @@ class ReferenceRuns:
                 check_script(definition.inputs, run, model.spec.has_mtp)
         return run
 
+    def prepared(self, inputs: Any) -> PreparedPrompt:
+        """The model's prepared prompt for these inputs (cached; the model is deterministic)."""
+        out = self._prepared.get(inputs)
+        if out is None:
+            out = self._prepared[inputs] = self._shared_model().prepare(inputs)
+        return out
+
     def prompt_len(self, inputs: Any) -> int:
-        n = self._prompt_lens.get(inputs)
-        if n is None:
-            n = self._prompt_lens[inputs] = int(self._shared_model().prepare(inputs).prompt_embeds.shape[0])
-        return n
+        return int(self.prepared(inputs).prompt_embeds.shape[0])
 
     def __len__(self) -> int:
         return len(self._runs)

@@ -124,7 +124,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def _untouched(self, predicate) -> list[str]:
         touched = self.pending.touched()
-        return sorted(r.rid for r in self.driver.requests.values() if r.rid not in touched and predicate(r))
+        return sorted(r.request_id for r in self.driver.requests.values() if r.request_id not in touched and predicate(r))
 
     def _run(self, plan: StepPlan) -> None:
         out = self.engine.step(plan)
@@ -284,7 +284,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             out["release live"] = (p.plan(releases=[rid]), LifecycleError, rid)
             out["resume live"] = (p.plan(resumes=[rid]), LifecycleError, rid)
             r = reqs[rid]
-            left = max(r.prompt_total - r.computed, 0)
+            left = max(r.prompt_len - r.num_computed, 0)
             span = Span(rid, left + 1) if left > 0 else Span(rid, 2)
             out["span too long"] = (p.plan([span]), PlanError, rid)
             out["row twice"] = (p.plan([Span(rid, 1), Span(rid, 1)]), PlanError, rid)

@@ -37,7 +37,7 @@ def check_bookkeeping(serving: ServingLoop) -> None:
     preempted = 0
     for rid, record in ledger.all_records():
         base = int(record.prepared.prompt_embeds.shape[0])  # the prompt without replayed frames
-        what = record.describe()
+        what = repr(record)
         if rid in ledger.queued:
             assert rid not in ledger.records, what
             assert (record.state, record.slot, record.serial, record.num_computed, record.num_frames) == (
