@@ -147,3 +147,24 @@ def test_diagrams_show_the_guards_on_the_edges():
     for edge in ("sampled --> finished: eos [eos_sampled]", "decoding --> finished: finish_length [length_reached]",
                  "sampled --> frame_ready: mtp [!mtp_nonfinite]", "prefilling --> prefilling: prefill [!prompt_done]"):
         assert edge in text, edge
+
+
+def test_no_executor_names_a_trigger_or_a_state_where_it_runs_stages():
+    """The stage bodies read the compiled tables; only host events (which the host
+    decides) may name a trigger, and no stage names a state."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from mtp_fsm.bench import drivers
+    from mtp_fsm.testing import interpreter, oracle_driver
+
+    kernels = Path(__file__).resolve().parents[1] / "mtp_fsm" / "kernels"
+    named = re.compile(r"\b(State|Trigger)\.[A-Z_]+|\b[ST]_[A-Z_]+\b")
+    for path in sorted(kernels.glob("*.py")):
+        hits = named.findall(path.read_text())
+        assert not hits, f"{path.name} names {hits}"
+    stage_bodies = [oracle_driver.OracleDriver._row, interpreter._interpret, drivers._PerRequestDriver.step]
+    for body in stage_bodies:
+        hits = [m.group(0) for m in named.finditer(inspect.getsource(body))]
+        assert not hits, f"{body.__qualname__} names {hits}"

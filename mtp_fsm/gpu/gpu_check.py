@@ -190,8 +190,18 @@ def run_sync_check(name: str, make_model, requests, device, kernels: str, slots:
 # -- 4. launches --------------------------------------------------------------------------------------
 
 
+def _triton_kernel_names() -> frozenset[str]:
+    from ..kernels import triton_stages
+
+    return frozenset(name for name in vars(triton_stages) if name.endswith("_kernel"))
+
+
 def count_launches(engine) -> Counter:
-    """Kernel launches of one decode step's device stages, by innermost stage/model label."""
+    """Kernel launches of one decode step's device stages, by innermost stage/model label.
+
+    Torch kernels are attached to the op (and so the label) that launched them; Triton
+    launches carry no such link in the profiler, so they are counted by kernel name as
+    `stage:triton <name>` (every Triton kernel is an FSM stage's)."""
     from torch.profiler import ProfilerActivity, profile
 
     host = engine.stage(decode_plan(engine))
@@ -213,7 +223,13 @@ def count_launches(engine) -> Counter:
                 break
             parent = parent.cpu_parent
         counts[label] += len(kernels)
-    on_device = sum(1 for e in events if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    triton = _triton_kernel_names()
+    device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
+              and not e.name.startswith(("stage:", "model:"))]  # not the GPU side of the label ranges
+    for evt in device:
+        if evt.name in triton:
+            counts[f"stage:triton {evt.name}"] += 1
+    on_device = len(device)
     if on_device > sum(counts.values()):  # launched outside any torch op / range (e.g. no linked correlation)
         counts["unattributed device activities"] = on_device - sum(counts.values())
     return counts
@@ -222,10 +238,14 @@ def count_launches(engine) -> Counter:
 @guarded("launch counts")
 def run_launch_counts(sizes, device) -> None:
     table = {}
+    def labeled_model():
+        model = scripted(device)
+        label_model(model)  # before the engine binds its entry points (text_step runs inside compose_inputs)
+        return model
+
     for rows in sizes:
-        engine = admitted_engine(lambda: scripted(device), rows, device)
+        engine = admitted_engine(labeled_model, rows, device)
         engine.kernels = Labeled(engine.kernels)
-        label_model(engine.model)
         engine.step(decode_plan(engine))  # warm: every variant compiled
         table[rows] = count_launches(engine)
     labels = sorted(set().union(*table.values()))
@@ -239,7 +259,9 @@ def run_launch_counts(sizes, device) -> None:
     print(f"{'all':34s}" + "".join(f"{total[r]:8d}" for r in sizes) + "\n")
     record("launches constant (FSM stages)", len(set(fsm.values())) == 1 and fsm[sizes[0]] > 0,
            ", ".join(f"b={r}: {fsm[r]}" for r in sizes))
-    record("launches constant (whole step)", len(set(total.values())) == 1 if len(set(fsm.values())) == 1 else False,
+    # The model's own kernels may legitimately change with the batch (cuBLAS picks gemv for one
+    # row, gemm + split-K for many; torch picks gather kernels by size): reported, not judged.
+    record("launches (whole step)", None,
            ", ".join(f"b={r}: {total[r]}" for r in sizes) + " (model kernels included)")
 
 

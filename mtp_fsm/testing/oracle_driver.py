@@ -253,7 +253,7 @@ class OracleDriver:
             raise AssertionError(f"slot leak: allocator in use {sorted(in_use)} free {ledger.allocator.num_free}, "
                                  f"owned {sorted(owned)} of {n}")
         for slot in range(n):
-            if slot not in owned and state[slot] != State.FREE:
+            if slot not in owned and State(state[slot]) not in self.classes.vacant:
                 raise AssertionError(f"slot {slot} owned by nobody is in state {State(state[slot]).label}")
             if state[slot] in self.classes.in_step:
                 raise AssertionError(f"slot {slot} rests in within-step state {State(state[slot]).label}")
