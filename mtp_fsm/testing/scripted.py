@@ -87,7 +87,7 @@ class ScriptedTalker(TalkerModel):
         self._scratch = max_slots
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        self.cache[slots] = 0
+        self.cache.index_fill_(0, slots, 0.0)  # a scalar kernel argument: no host-to-device copy
 
     def text_step(self, columns, slots, frame_index):
         return self.text_table[(columns["text_key"][slots] + frame_index) % 8]
