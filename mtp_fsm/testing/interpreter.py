@@ -91,18 +91,12 @@ class _Walk:
         return self.fsm.code
 
     def phase(self, phase: Phase, facts_for) -> list[Transition]:
-        """Oracle.run_phase; facts_for(edges fired so far) gives each stage's predicates.
+        """Oracle.run_phase_edges; facts_for(edges fired so far) gives each stage's predicates.
         Returns the fired edges' declarations, looked up by (trigger, source state)."""
-        source_of: dict[Trigger, State] = {}  # a trigger belongs to one stage (the compiler's rule)
+        def declared(edges) -> list[Transition]:
+            return [self.spec.transition(trigger, source) for trigger, source in edges]
 
-        def edges(fired: list[Trigger]) -> list[Transition]:
-            return [self.spec.transition(t, source_of[t]) for t in fired]
-
-        def facts(stage, fired):  # called just before `stage` runs: the row is at its source
-            source_of.update((t, self.state) for t in stage.triggers)
-            return facts_for(edges(fired))
-
-        fired = edges(self.oracle.run_phase(self.fsm, phase, facts))
+        fired = declared(self.oracle.run_phase_edges(self.fsm, phase, lambda stage, edges: facts_for(declared(edges))))
         for edge in fired:
             if edge.reason is not FinishReason.NONE:  # the last recorded reason is the request's
                 when = edge.guard.resolved()[0] if edge.guard is not None else ()
