@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Iterable
 
 import numpy as np
@@ -24,17 +23,18 @@ class ModelFault(Exception):
     """A model call raised inside a step (wraps the model's own exception)."""
 
 
-def _model_call(fn):
-    """Mark a model entry point: its exceptions become ModelFault, so step() can end that
-    step's requests while a kernel bug still surfaces as itself."""
+def _model_call(model: TalkerModel, name: str):
+    """A model entry point whose exceptions become ModelFault, so step() can end that step's
+    requests while a kernel bug still surfaces as itself. The method is looked up at each
+    call (profilers and tests may wrap the model's methods after the engine is built)."""
 
-    @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            return getattr(model, name)(*args, **kwargs)
         except Exception as exc:
             raise ModelFault(exc) from exc
 
+    call.__name__ = name
     return call
 
 
@@ -75,12 +75,12 @@ class LockstepEngine:
         self.ledger = Ledger(model, self.table, self.oracle, self.compiled)
         self.scheduler = Scheduler(self.ledger, policy or SchedulingPolicy())
         model.bind_slots(max_slots, self.device, self.table.extra)
-        self._forward = _model_call(model.forward)
-        self._cb0_logits = _model_call(model.cb0_logits)
-        self._mtp = _model_call(model.mtp) if self.spec.has_mtp else None
-        self._frame_embed = _model_call(model.frame_embed)
-        self._text_step = _model_call(model.text_step)
-        self._reset_slots = _model_call(model.reset_slots)
+        self._forward = _model_call(model, "forward")
+        self._cb0_logits = _model_call(model, "cb0_logits")
+        self._mtp = _model_call(model, "mtp") if self.spec.has_mtp else None
+        self._frame_embed = _model_call(model, "frame_embed")
+        self._text_step = _model_call(model, "text_step")
+        self._reset_slots = _model_call(model, "reset_slots")
         self._allowed = self._cb0_allowed()
         self.step_count = 0
 

@@ -1,9 +1,11 @@
 """Torch reference kernels: the CPU path and the contract the Triton kernels are tested against.
 
 Every lifecycle move is made by `run_phase`, which evaluates the compiled stage chains: each
-stage's predicates as one word per row, then for each trigger of the chain the rule row
-(destination, guard masks, reason, publishes) gathered at the row's state. No stage body
-names a trigger or a state; the data movement of a stage keys on what the rules say
+stage's predicates as one word per row, then the stage's chain outcome (destination, fired,
+reason, publishes; folded by the compiler for every state and word) gathered at (state,
+word). The Triton kernels walk the same chains trigger by trigger instead, so the two are
+independent implementations of one semantics (tested bit-exact). No stage body names a
+trigger or a state; the data movement of a stage keys on what the rules say
 (state classes, the `publishes` effect), guard masks are applied over every row (no
 per-request Python loop) and no device value is read on the host.
 """
@@ -14,7 +16,7 @@ import attrs
 import torch
 
 from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
-from ..lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES, RULE_REASON
+from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
 from ..sampling import frame_key, gumbel_noise_codebooks, sample_tokens
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import OUT_CODES, ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
@@ -46,25 +48,21 @@ def in_class(lc: DeviceLifecycle, state: torch.Tensor, class_bit: int) -> torch.
 
 def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: torch.Tensor, facts_for) -> PhaseResult:
     """Every stage of `phase` over every row. facts_for(published_so_far) returns the stage's
-    predicate masks (a stage after a publishing one sees the frame counted)."""
+    predicate masks (a stage after a publishing one sees the frame counted). Each stage is
+    one gather of its chain's outcome at (state, predicate word)."""
     reason = torch.zeros_like(state, dtype=torch.int32)
     published = torch.zeros_like(owned)
     stuck = torch.zeros_like(owned)
-    for total, triggers in lc.host_chains[phase]:
+    for (total, _), outcomes in zip(lc.host_chains[phase], lc.outcomes[phase]):
         word = predicate_word(facts_for(published))
-        at = state.long()
-        new, fired = state, torch.zeros_like(owned)
-        for trigger in triggers:
-            rule = lc.rules[:, trigger, at]  # [planes, B]
-            must, must_not = rule[RULE_MUST], rule[RULE_MUST_NOT]
-            ok = owned & (rule[RULE_DEST] >= 0) & ((word & must) == must) & ((word & must_not) == 0)
-            new = torch.where(ok, rule[RULE_DEST].to(state.dtype), new)
-            reason = torch.where(ok & (rule[RULE_REASON] != 0), rule[RULE_REASON], reason)
-            published = published | (ok & (rule[RULE_PUBLISHES] != 0))
-            fired = fired | ok
+        outcome = outcomes[state.long() * WORDS + word]
+        fired = owned & ((outcome & OUTCOME_FIRED) != 0)
+        why = outcome >> OUTCOME_REASON_SHIFT
+        reason = torch.where(fired & (why != 0), why, reason)
+        published = published | (fired & ((outcome & OUTCOME_PUBLISHES) != 0))
         if total:
             stuck = stuck | (owned & ~fired)
-        state = new
+        state = torch.where(fired, (outcome & 0xFF).to(state.dtype), state)
     return PhaseResult(state, reason, published, stuck)
 
 

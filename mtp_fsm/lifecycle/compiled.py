@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .predicates import PREDICATE_PHASE, Guard, Phase, covers
+from .predicates import PREDICATE_PHASE, Guard, Phase, Predicate, covers
 from .spec import LifecycleSpec, Stage, State, Transition, Trigger
 
 ILLEGAL = -1
@@ -19,15 +19,28 @@ class LifecycleCompileError(ValueError):
     """A spec the compiler refuses: the message names the variant, the edge or stage, and why."""
 
 
+# A stage's outcome for (state, predicate word), packed in one int32 (see `stage_outcomes`).
+OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT = 1 << 8, 1 << 9, 10
+WORDS = 1 << len(Predicate)  # every value of the predicate word
+
+
 @attrs.frozen
 class DeviceLifecycle:
     """The compiled tables on one device, plus host copies of the stage chains (static:
-    which triggers a stage tries is known on the host, the guards are evaluated on device)."""
+    which triggers a stage tries is known on the host, the guards are evaluated on device),
+    and each stage's chain folded into an outcome table over (state, predicate word)."""
 
     rules: torch.Tensor  # int32 [5, num_triggers, num_states]
     state_class: torch.Tensor  # int32 [num_states], CLASS_* bits
     chains: dict[Phase, torch.Tensor]  # int32 [stages, 1 + longest]: total flag, triggers (-1 pad)
     host_chains: dict[Phase, tuple[tuple[bool, tuple[int, ...]], ...]]
+    outcomes: dict[Phase, tuple[torch.Tensor, ...]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        rules = self.rules.cpu()
+        folded = {phase: tuple(stage_outcomes(rules, triggers).to(self.rules.device) for _, triggers in chain)
+                  for phase, chain in self.host_chains.items()}
+        object.__setattr__(self, "outcomes", folded)
 
     @property
     def num_states(self) -> int:
@@ -35,6 +48,29 @@ class DeviceLifecycle:
 
     def has_stages(self, phase: Phase) -> bool:
         return bool(self.host_chains[phase])
+
+
+def stage_outcomes(rules: torch.Tensor, triggers: tuple[int, ...]) -> torch.Tensor:
+    """One stage's chain evaluated for every (state, predicate word): int32 [states * WORDS],
+    entry = destination | OUTCOME_FIRED | OUTCOME_PUBLISHES | reason << OUTCOME_REASON_SHIFT
+    (the destination is the state itself when nothing fires). Same semantics as a kernel
+    walking the chain: each trigger is tried at the state the row had when the stage began,
+    a later firing one overrides an earlier one (a compiled spec proves at most one fires)."""
+    table = rules.tolist()
+    num_states = len(table[RULE_DEST][0])
+    out = torch.empty(num_states * WORDS, dtype=torch.int32)
+    for state in range(num_states):
+        for word in range(WORDS):
+            dest, reason, fired, publishes = state, 0, False, False
+            for t in triggers:
+                to, must, must_not = table[RULE_DEST][t][state], table[RULE_MUST][t][state], table[RULE_MUST_NOT][t][state]
+                if to >= 0 and word & must == must and word & must_not == 0:
+                    dest, fired = to, True
+                    reason = table[RULE_REASON][t][state] or reason
+                    publishes = publishes or table[RULE_PUBLISHES][t][state] != 0
+            packed = dest | (OUTCOME_FIRED if fired else 0) | (OUTCOME_PUBLISHES if publishes else 0)
+            out[state * WORDS + word] = packed | (reason << OUTCOME_REASON_SHIFT)
+    return out
 
 
 @attrs.frozen
