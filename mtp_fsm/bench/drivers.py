@@ -179,10 +179,10 @@ class _PerRequestDriver:
         for i, (rid, req) in enumerate(zip(rows, reqs)):
             index, limit, computed = self.num_frames(rid), req.max_frames, self.computed(rid)
 
-            def facts(frames: int) -> dict:  # a stage after a publishing edge sees the frame counted
+            def length_facts(frames: int) -> dict:  # a stage after a publishing edge sees the frame counted
                 return {Predicate.LENGTH_REACHED: length_reached(index + frames, limit, computed, max_context)}
 
-            if self.run_phase(rid, Phase.PUBLISH, facts):
+            if self.run_phase(rid, Phase.PUBLISH, length_facts):
                 self.on_frame(rid, embeds[i])
                 published.append((rid, index, tuple(codes_list[i])))
             if self.state_of(rid) in self.classes.in_step:

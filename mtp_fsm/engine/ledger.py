@@ -10,11 +10,14 @@ import numpy as np
 import torch
 
 from ..errors import (
-    AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
+    DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
 )
-from ..kernels.contract import OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents, StepBatch
-from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CompiledLifecycle, FinishReason, Oracle, State, Trigger
-from ..model_api import PreparedPrompt, TalkerModel
+from ..kernels.contract import (
+    OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents, StepBatch,
+)
+from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, CompiledLifecycle, FinishReason, Oracle, State, Trigger
+from ..lifecycle.compiled import RULE_DEST
+from ..model_api import TalkerModel
 from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, Span, StepPlan
 from .admission import Admission
@@ -49,7 +52,10 @@ class Ledger:
         self.terminal_states = compiled.states_in(CLASS_TERMINAL)
         self._live_codes = np.array(sorted(int(s) for s in self.live_states))
         self._terminal_codes = np.array(sorted(int(s) for s in self.terminal_states))
-        self._dest = compiled.rules[0].numpy()  # RULE_DEST plane: [trigger, state] -> state
+        self._dest = compiled.rules[RULE_DEST].numpy()  # [trigger, state] -> state
+        # Where an admitted row starts: admission from the (one) vacant state.
+        (vacant,) = compiled.states_in(CLASS_VACANT)
+        self._admitted_state = State(self._dest[Trigger.ADMIT, vacant])
         self.spec = model.spec
         self.allocator = SlotAllocator(table.max_slots)
         self.records: dict[str, RequestRecord] = {}
@@ -196,7 +202,7 @@ class Ledger:
             raise PlanError(rid, None, "scheduled in two rows of one step")
         seen.add(rid)
         if rid in prepared:  # admitted by this very plan
-            state, remaining = State(self._dest[Trigger.ADMIT, State.FREE]), int(prepared[rid].prompt_embeds.shape[0])
+            state, remaining = self._admitted_state, int(prepared[rid].prompt_embeds.shape[0])
         elif record is None:
             raise PlanError(rid, None, "scheduled but never admitted")
         elif rid in gone or (record.slot is None and rid not in self._resuming):

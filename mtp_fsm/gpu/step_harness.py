@@ -75,14 +75,13 @@ def step_with(engine, plan, device_phase=None):
 def lockstep_plans(lead, pending: list, state: dict, *, chunk: int = 3, preempt_at=(6, 13), abort_at=(9,)):
     """The next StepPlan for the lead engine (the twins receive the same plans)."""
     from ..engine import Span, StepPlan
-    from ..lifecycle import State
     from ..testing.runs import next_rows
 
     step = state.setdefault("step", 0)
     state["step"] += 1
     preempted, finished = state.setdefault("preempted", []), state.setdefault("finished", set())
     live = [rid for rid, r in lead.ledger.records.items() if r.slot is not None]
-    ended = [rid for rid in live if lead.request_state(rid) in (State.FINISHED, State.ABORTED)]
+    ended = [rid for rid in live if lead.request_state(rid) in lead.ledger.terminal_states]
     preempts = [rid for rid in live if step in preempt_at and rid not in ended][:1]
     aborts = [rid for rid in live if step in abort_at and rid not in ended and rid not in preempts][-1:]
     releases = [rid for rid in ended if rid in finished]  # overrun once, then release

@@ -19,7 +19,7 @@ from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle
 from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
 from ..sampling import frame_key, gumbel_noise_codebooks, sample_tokens
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
-from .contract import OUT_CODES, ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
+from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 
 # Draw a frame's MTP noise in one pass (fewer, larger ops) up to this many elements.
 BATCHED_NOISE_ELEMENTS = 1 << 17  # measured: larger blocks fall out of cache and lose

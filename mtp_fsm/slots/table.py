@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..lifecycle import FinishReason, State
+from ..lifecycle import FinishReason
 from ..model_api import ColumnSpec, ModelSpec
 
 # Sticky error bits (the `error` column); any set bit is an engine bug, reported loudly.
@@ -96,7 +96,6 @@ class SlotTable:
     def column_defaults(self) -> dict[str, float]:
         """What a freshly admitted row holds in each column unless admission sets it."""
         defaults = {name: self.extra_fill.get(name, 0.0) for name in self.columns()}
-        defaults["state"] = float(State.WAITING)
         defaults["finish_reason"] = float(FinishReason.NONE)
         return defaults
 
