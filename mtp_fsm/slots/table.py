@@ -94,8 +94,11 @@ class SlotTable:
         return {**core, **self.extra}
 
     def column_defaults(self) -> dict[str, float]:
-        """What a freshly admitted row holds in each column unless admission sets it."""
-        defaults = {name: self.extra_fill.get(name, 0.0) for name in self.columns()}
+        """What a freshly admitted row holds in each column unless admission sets it. The
+        state (the admission trigger's destination) and the error word (cleared, or the
+        illegal-admission bit) are written by the admission itself, so they have none."""
+        owned_by_admission = ("state", "error")
+        defaults = {name: self.extra_fill.get(name, 0.0) for name in self.columns() if name not in owned_by_admission}
         defaults["finish_reason"] = float(FinishReason.NONE)
         return defaults
 
