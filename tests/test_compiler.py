@@ -19,20 +19,6 @@ from mtp_fsm.lifecycle.diagrams import mermaid_source
 SPECS = {"mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle}
 
 
-def replace_edge(spec, trigger: Trigger, source: State, **changes):
-    """The spec with the edge (trigger, source) changed (split out of its Transition)."""
-    out = []
-    for t in spec.transitions:
-        if t.trigger is trigger and source in t.sources:
-            rest = tuple(s for s in t.sources if s is not source)
-            if rest:
-                out.append(attrs.evolve(t, sources=rest))
-            out.append(attrs.evolve(t, sources=(source,), **changes))
-        else:
-            out.append(t)
-    return attrs.evolve(spec, transitions=tuple(out))
-
-
 def refused(spec, *fragments: str) -> str:
     with pytest.raises(LifecycleCompileError) as info:
         compile_lifecycle(spec)
@@ -48,28 +34,28 @@ def test_the_shipped_variants_compile():
 
 
 def test_an_in_step_edge_without_a_guard_is_refused():
-    spec = replace_edge(mtp_lifecycle(), Trigger.EOS, State.SAMPLED, guard=None)
+    spec = mtp_lifecycle().with_edge(Trigger.EOS, State.SAMPLED, guard=None)
     refused(spec, "eos from sampled", "needs a guard")
 
 
 def test_a_stage_that_could_fire_two_triggers_on_one_row_is_refused():
     # `sample` without `!cb0_nonfinite` overlaps `fail [cb0_nonfinite]` from decoding.
-    spec = replace_edge(mtp_lifecycle(), Trigger.SAMPLE, State.DECODING, guard=ALWAYS)
+    spec = mtp_lifecycle().with_edge(Trigger.SAMPLE, State.DECODING, guard=ALWAYS)
     refused(spec, "stage 'intake' can fire both sample", "fail", "decoding", "not exclusive")
 
 
 def test_an_unknown_predicate_is_refused():
-    spec = replace_edge(mtp_lifecycle(), Trigger.EOS, State.SAMPLED, guard=Guard(when=("eos_smapled",)))
+    spec = mtp_lifecycle().with_edge(Trigger.EOS, State.SAMPLED, guard=Guard(when=("eos_smapled",)))
     refused(spec, "eos from sampled", "unknown predicate 'eos_smapled'", "prompt_done")
 
 
 def test_a_predicate_read_outside_its_phase_is_refused():
-    spec = replace_edge(mtp_lifecycle(), Trigger.MTP, State.SAMPLED, guard=Guard(unless=("cb0_nonfinite",)))
+    spec = mtp_lifecycle().with_edge(Trigger.MTP, State.SAMPLED, guard=Guard(unless=("cb0_nonfinite",)))
     refused(spec, "mtp from sampled", "cb0_nonfinite", "phase sample", "stage 'mtp' runs in phase mtp")
 
 
 def test_a_total_stage_with_a_gap_is_refused():
-    spec = replace_edge(mtp_lifecycle(), Trigger.FAIL, State.DECODING, guard=Guard(when=("cb0_nonfinite", "eos_sampled")))
+    spec = mtp_lifecycle().with_edge(Trigger.FAIL, State.DECODING, guard=Guard(when=("cb0_nonfinite", "eos_sampled")))
     refused(spec, "total stage 'intake' leaves a row in state decoding unmoved", "cb0_nonfinite=True")
 
 
@@ -87,7 +73,7 @@ def test_structural_mistakes_are_refused():
     spec = mtp_lifecycle()
     twice = attrs.evolve(spec, transitions=(*spec.transitions, Transition(Trigger.ADMIT, (State.FREE,), State.PREEMPTED)))
     refused(twice, "'admit' from 'free' is declared twice")
-    guarded_host = replace_edge(spec, Trigger.ABORT, State.DECODING, guard=ALWAYS)
+    guarded_host = spec.with_edge(Trigger.ABORT, State.DECODING, guard=ALWAYS)
     refused(guarded_host, "abort from decoding", "host trigger", "no guard")
     two_stages = attrs.evolve(spec, stages=(*spec.stages, Stage("again", Phase.PUBLISH, (Trigger.PUBLISH,))))
     refused(two_stages, "'publish' is fired by stages 'publish' and 'again'")

@@ -152,6 +152,19 @@ class LifecycleSpec:
             **kwargs,
         )
 
+    def with_edge(self, trigger: Trigger, source: State, **changes) -> "LifecycleSpec":
+        """This spec with the edge (trigger, source) changed (e.g. guard=...), split out of
+        its Transition; for variants and for tests that mutate a spec."""
+        edges: list[Transition] = []
+        for t in self.transitions:
+            if t.trigger is trigger and source in t.sources:
+                rest = tuple(s for s in t.sources if s is not source)
+                edges += [attrs.evolve(t, sources=rest)] if rest else []
+                edges.append(attrs.evolve(t, sources=(source,), **changes))
+            else:
+                edges.append(t)
+        return attrs.evolve(self, name=f"{self.name}+{trigger.label}@{source.label}", transitions=tuple(edges))
+
     def transition(self, trigger: Trigger, source: State) -> Transition | None:
         """The declared edge for (trigger, source), or None."""
         for t in self.transitions:

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from .._util.threads import torch_threads  # noqa: F401  (re-exported: tests import it from here)
-from ..engine import LockstepEngine, NewRequest, Span, StepPlan
+from ..engine import LockstepEngine, NewRequest, SchedulingPolicy
 from ..lifecycle import FinishReason
 from ..model_api import TalkerModel
 from ..sampling import SamplingParams
@@ -57,6 +57,8 @@ class AloneRun:
 
 
 def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwargs) -> AloneRun:
+    """The request alone in a fresh one-slot engine, whole prompt in one step (the engine's
+    side of the engine-vs-interpreter comparisons)."""
     model = model_factory()
     bad = {"cb0": False, "mtp": False}
     cb0_logits, mtp = model.cb0_logits, getattr(model, "mtp", None)
@@ -79,23 +81,18 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
     if model.spec.has_mtp:
         model.mtp = probe_mtp
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_slots"}
-    engine = LockstepEngine(model, 1, **engine_kwargs)
-    prompt_len = int(model.prepare(definition.inputs).prompt_embeds.shape[0])
-    out = engine.step(StepPlan(new_requests=(definition.new_request("alone"),), rows=(Span("alone", prompt_len),)))
-    frames: list[tuple[int, ...]] = []
-    for _ in range(model.spec.max_context + 2):
-        for frame in out.frames:
-            assert frame.index == len(frames), f"alone run published frame {frame.index}, expected {len(frames)}"
-            frames.append(tuple(int(c) for c in frame.codes))
-        if out.finished:
-            (done,) = out.finished
-            kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
-            run = AloneRun(tuple(frames), done.reason, kind)
-            if isinstance(definition.inputs, ScriptInputs):
-                check_script(definition.inputs, run, model.spec.has_mtp)
-            return run
-        out = engine.step(StepPlan(rows=(Span("alone", 1),)))
-    raise AssertionError(f"alone run of {definition} never finished")
+    whole_prompt = SchedulingPolicy(token_budget=model.spec.max_context, prefill_chunk=model.spec.max_context)
+    engine = LockstepEngine(model, 1, policy=whole_prompt, **engine_kwargs)
+    result = engine.generate([definition.new_request("alone")])["alone"]
+    indices = [f.index for f in result.frames]
+    assert indices == list(range(len(indices))), f"alone run published frames {indices}"
+    done = result.finished
+    kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
+    run = AloneRun(tuple(tuple(int(c) for c in f.codes) for f in result.frames), done.reason, kind)
+    if isinstance(definition.inputs, ScriptInputs):
+        check_script(definition.inputs, run, model.spec.has_mtp)
+    return run
+
 
 
 def check_script(inputs: ScriptInputs, run: AloneRun, has_mtp: bool) -> None:
