@@ -49,6 +49,10 @@ class PlanError(MtpFsmError):
         super().__init__(who + reason)
 
 
+class LifecycleCompileError(MtpFsmError, ValueError):
+    """A lifecycle spec the compiler refuses: the message names the variant, the edge or stage, and why."""
+
+
 class EngineInvariantError(MtpFsmError):
     """The device reported a broken invariant (sticky error column): a bug, never input."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .predicates import PREDICATE_PHASE, Guard, Phase, Predicate, covers
+from ..errors import LifecycleCompileError
+from .predicates import PREDICATE_PHASE, Phase, Predicate, covers
 from .spec import LifecycleSpec, Stage, State, Transition, Trigger
 
 ILLEGAL = -1
@@ -13,10 +14,6 @@ ILLEGAL = -1
 RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_REASON, RULE_PUBLISHES = range(5)
 # Bits of the state-class word per state.
 CLASS_LIVE, CLASS_TERMINAL, CLASS_IN_STEP, CLASS_VACANT = 1, 2, 4, 8
-
-
-class LifecycleCompileError(ValueError):
-    """A spec the compiler refuses: the message names the variant, the edge or stage, and why."""
 
 
 # A stage's outcome for (state, predicate word), packed in one int32 (see `stage_outcomes`).
@@ -253,6 +250,7 @@ def _class_words(spec: LifecycleSpec) -> torch.Tensor:
 
 __all__ = [
     "CLASS_IN_STEP", "CLASS_LIVE", "CLASS_TERMINAL", "CLASS_VACANT", "ILLEGAL", "RULE_DEST", "RULE_MUST",
-    "RULE_MUST_NOT", "RULE_PUBLISHES", "RULE_REASON", "CompiledLifecycle", "DeviceLifecycle", "Guard",
-    "LifecycleCompileError", "compile_lifecycle",
+    "RULE_MUST_NOT", "RULE_PUBLISHES", "RULE_REASON", "CompiledLifecycle", "DeviceLifecycle",
+    "LifecycleCompileError", "OUTCOME_FIRED", "OUTCOME_PUBLISHES", "OUTCOME_REASON_SHIFT", "WORDS", "compile_lifecycle",
+    "stage_outcomes",
 ]
