@@ -53,6 +53,18 @@ class LifecycleCompileError(MtpFsmError, ValueError):
     """A lifecycle spec the compiler refuses: the message names the variant, the edge or stage, and why."""
 
 
+class PlanTypeError(PlanError, TypeError):
+    """A StepPlan built from values of the wrong type (e.g. a bare string for a list of ids)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(None, None, reason)
+
+
+class ModelBindingError(MtpFsmError):
+    """A model object is already bound to another live engine (its per-slot state, e.g. the
+    KV cache, would be shared and silently corrupted)."""
+
+
 class EngineInvariantError(MtpFsmError):
     """The device reported a broken invariant (sticky error column): a bug, never input."""
 

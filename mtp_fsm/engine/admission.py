@@ -37,14 +37,14 @@ class Admission:
     def check_new(self, req: NewRequest) -> list[str]:
         """Problems with a new request's own fields (independent of the table)."""
         problems = []
-        if req.sampling_width != 1:
+        if type(req.sampling_width) is not int or req.sampling_width != 1:
             problems.append(
                 f"sampling width {req.sampling_width} is not supported: current-step MTP builds one frame "
                 "per sampled CB0, so multi-token or speculative sampling would desynchronise frames"
             )
-        if not isinstance(req.max_frames, int) or req.max_frames < 1:
+        if type(req.max_frames) is not int or req.max_frames < 1:  # bool is not a frame count
             problems.append(f"max_frames must be an int >= 1, got {req.max_frames!r}")
-        if not isinstance(req.seed, int) or not (-(2**63) <= req.seed < 2**63):
+        if type(req.seed) is not int or not (-(2**63) <= req.seed < 2**63):
             problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
         problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
         problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]

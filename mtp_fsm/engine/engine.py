@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
-from ..errors import EngineInvariantError
+from ..errors import EngineInvariantError, ModelBindingError
 from ..kernels import select_backend
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID, StagedEvents
 from ..lifecycle import FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for
@@ -17,6 +18,20 @@ from ..slots import SlotTable
 from .ledger import HostStep, Ledger
 from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
+
+
+# model -> the live engine bound to it: a model's slot state (KV cache) belongs to one engine.
+_BOUND: "weakref.WeakKeyDictionary[TalkerModel, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _bind(model: TalkerModel, engine: "LockstepEngine") -> None:
+    owner = _BOUND.get(model)
+    if owner is not None and owner() is not None and owner() is not engine:
+        raise ModelBindingError(
+            f"model {model.spec.name!r} ({type(model).__name__} at {id(model):#x}) is already bound to another live "
+            "engine, which owns its per-slot state (KV cache); build one model per engine, or close() the other"
+        )
+    _BOUND[model] = weakref.ref(engine)
 
 
 class ModelFault(Exception):
@@ -57,6 +72,7 @@ class LockstepEngine:
         lifecycle: LifecycleSpec | None = None,
         policy: SchedulingPolicy | None = None,
     ) -> None:
+        _bind(model, self)
         self.model = model
         self.spec = model.spec
         self.device = torch.device(device)
@@ -93,6 +109,11 @@ class LockstepEngine:
         return allowed.to(self.device)
 
     # -- public API ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unbind the model so another engine may use it (this engine must not step again)."""
+        if _BOUND.get(self.model) is not None and _BOUND[self.model]() is self:
+            del _BOUND[self.model]
 
     @property
     def max_slots(self) -> int:
@@ -257,11 +278,12 @@ class LockstepEngine:
         if slots:
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)
             # Roll the rows back to their state at the step boundary (the host mirror),
-            # then abort them through the transition table like any other abort.
+            # then abort and release them through the transition table, like a client abort.
             self.table.state[index] = torch.tensor(before, dtype=self.table.state.dtype, device=self.device)
             events = StagedEvents(
                 index,
-                torch.tensor([[int(Trigger.ABORT), -1]] * len(slots), dtype=torch.int64, device=self.device),
+                torch.tensor([[int(Trigger.ABORT), int(Trigger.RELEASE)]] * len(slots), dtype=torch.int64,
+                             device=self.device),
                 torch.full((len(slots),), int(FinishReason.ERROR), dtype=torch.int32, device=self.device),
             )
             self.kernels.apply_host_events(self.table, self._lc, events)

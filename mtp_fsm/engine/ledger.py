@@ -123,7 +123,11 @@ class Ledger:
         freed = 0
         for rid in plan.releases:
             once(rid, "release")
-            self._check_host_trigger(self.record(rid, "release"), Trigger.RELEASE)
+            record = self.record(rid, "release")
+            self._check_host_trigger(record, Trigger.RELEASE)
+            if record.slot is None:
+                raise PlanError(rid, record.state.label, "holds no slot to release (a preempted request is resumed "
+                                "or aborted, not released)")
             freed += 1
         for rid in plan.aborts:
             once(rid, "abort")
@@ -144,10 +148,11 @@ class Ledger:
             if queued is not None and queued.request is req:  # enqueued earlier: validated then
                 prepared[rid] = queued.prepared
                 continue
-            if rid in self.records or rid in self.queued or rid in prepared:
+            if rid in prepared:
+                raise DuplicateRequestError(rid, "named twice among this plan's new requests", "new")
+            if rid in self.records or rid in self.queued:
                 known = self.records.get(rid) or self.queued.get(rid)
-                raise DuplicateRequestError(rid, "a request with this id is already in the engine",
-                                            known.state.label if known is not None else "new")
+                raise DuplicateRequestError(rid, "a request with this id is already in the engine", known.state.label)
             prepared[rid] = self.admission.admissible(req)
         wanted = len(plan.resumes) + len(plan.new_requests)
         available = self.allocator.num_free + freed
@@ -181,6 +186,7 @@ class Ledger:
             live, terminal = np.isin(state, self._live_codes), np.isin(state, self._terminal_codes)
             wrong = (tokens < 1) | (~live & ~terminal)
             wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != 1)
+            wrong |= terminal & (tokens != 1)
             bad.update(simple[i] for i in np.flatnonzero(wrong))
             if len(np.unique(slots)) != len(slots):
                 bad.update(simple)  # a request in two rows: let the slow path name it
@@ -204,20 +210,24 @@ class Ledger:
         if rid in prepared:  # admitted by this very plan
             state, remaining = self._admitted_state, int(prepared[rid].prompt_embeds.shape[0])
         elif record is None:
-            raise PlanError(rid, None, "scheduled but never admitted")
+            raise PlanError(rid, None, "scheduled but not in the engine (never admitted, or already released or aborted)")
         elif rid in gone or (record.slot is None and rid not in self._resuming):
             raise PlanError(rid, record.state.label, "scheduled but it holds no slot in this step")
         else:
             state = State(self._dest[Trigger.RESUME, record.state]) if rid in self._resuming else record.state
             remaining = self.resume_prompt_len(record) if rid in self._resuming else record.prompt_len - record.num_computed
-        if not isinstance(span.num_tokens, int) or span.num_tokens < 1:
+        if type(span.num_tokens) is not int or span.num_tokens < 1:
             raise PlanError(rid, state.label, f"a span needs >= 1 token, got {span.num_tokens!r}")
         if state in self.live_states:
             if remaining > 0 and span.num_tokens > remaining:
                 raise PlanError(rid, state.label, f"span of {span.num_tokens} tokens exceeds the {remaining} prompt tokens left")
             if remaining <= 0 and span.num_tokens != 1:
                 raise PlanError(rid, state.label, f"a decode row takes exactly 1 token, got {span.num_tokens}")
-        elif state not in self.terminal_states:  # terminal rows are legal overruns; nothing else is
+        elif state in self.terminal_states:  # a legal overrun (async scheduling): one token, like decode
+            if span.num_tokens != 1:
+                raise PlanError(rid, state.label, f"an overrun row of an ended request takes exactly 1 token, "
+                                f"got {span.num_tokens}")
+        else:
             raise PlanError(rid, state.label, "cannot be scheduled in this state")
 
     def resume_prompt_len(self, record: RequestRecord) -> int:
@@ -338,11 +348,12 @@ class Ledger:
 
     def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
         """A step whose model raised: its scheduled and newly admitted live requests end
-        with reason error.
+        with reason error and free their slots at once, like a client abort (the host ended
+        them; a request the device ends keeps its slot until released).
 
         Returns their slots, their states before the step (the device rolls back to them,
-        then aborts through the table) and their finish records. Requests that were
-        already terminal (overrun rows) are left as they were.
+        then aborts and releases through the table) and their finish records. Requests that
+        were already terminal (overrun rows) are left as they were.
         """
         slots, before, ended = [], [], []
         affected = {id(r): r for r in [*host.row_records, *host.admitted] if r is not None}
@@ -353,9 +364,13 @@ class Ledger:
             if record.state in self.terminal_states:
                 continue
             before.append(int(record.state))
-            self.slot_state[record.slot] = int(self.oracle.fire(record.fsm, Trigger.ABORT))
-            self.slot_reason[record.slot] = int(FinishReason.ERROR)
+            self.oracle.fire_all(record.fsm, (Trigger.ABORT, Trigger.RELEASE))
+            self.slot_state[record.slot] = self._dest[Trigger.RELEASE, self._dest[Trigger.ABORT, before[-1]]]
+            self.slot_reason[record.slot] = 0
             slots.append(record.slot)
+            self.allocator.release(record.slot)
+            del self.records[record.request_id]
+            record.slot, record.serial = None, 0
             ended.append(FinishedRequest(record.request_id, FinishReason.ERROR, record.num_frames, detail))
         return slots, before, ended
 

@@ -7,6 +7,7 @@ from typing import Any, Iterator
 import attrs
 import torch
 
+from ..errors import PlanTypeError
 from ..lifecycle import FinishReason
 from ..sampling import SamplingParams
 
@@ -32,21 +33,48 @@ class Span:
     num_tokens: int
 
 
+def _sequence_of(*kinds: type, what: str):
+    """Validator: a tuple (lists are converted first) whose members are `kinds`; a bare string
+    is refused, so `aborts="req-1"` cannot become five one-character ids."""
+
+    def check(_, attribute, value) -> None:
+        if not isinstance(value, tuple):
+            raise PlanTypeError(f"StepPlan.{attribute.name} must be a sequence of {what}, got {type(value).__name__} "
+                            f"{value!r}")
+        for member in value:
+            if not isinstance(member, kinds):
+                raise PlanTypeError(f"StepPlan.{attribute.name} holds {member!r} ({type(member).__name__}); "
+                                f"expected {what}")
+
+    return check
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _ids():
+    return attrs.field(default=(), converter=_as_tuple, validator=_sequence_of(str, what="request ids (str)"))
+
+
 @attrs.frozen
 class StepPlan:
     """Everything the host decided for one step, applied in this order at the boundary:
     releases, aborts, preempts, then resumes and new requests, then the rows.
 
     rows: scheduled spans in batch-row order; None is a padding row (inert). Row order is
-    arbitrary and must not change any result.
+    arbitrary and must not change any result. Fields take tuples (or lists); members are
+    type-checked at construction.
     """
 
-    new_requests: tuple[NewRequest, ...] = ()
-    rows: tuple[Span | None, ...] = ()
-    aborts: tuple[str, ...] = ()
-    preempts: tuple[str, ...] = ()
-    resumes: tuple[str, ...] = ()
-    releases: tuple[str, ...] = ()
+    new_requests: tuple[NewRequest, ...] = attrs.field(
+        default=(), converter=_as_tuple, validator=_sequence_of(NewRequest, what="NewRequest"))
+    rows: tuple[Span | None, ...] = attrs.field(
+        default=(), converter=_as_tuple, validator=_sequence_of(Span, type(None), what="Span or None (padding)"))
+    aborts: tuple[str, ...] = _ids()
+    preempts: tuple[str, ...] = _ids()
+    resumes: tuple[str, ...] = _ids()
+    releases: tuple[str, ...] = _ids()
 
     @staticmethod
     def of(rows: dict[str, int] | None = None, **kwargs) -> "StepPlan":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Iterable
 
 import attrs
@@ -60,7 +61,8 @@ def collect(out: StepOutput, frames: Frames) -> None:
 
 
 def frames_alone(model, request: NewRequest, *, chunk: int = UNBOUNDED, **engine_kwargs) -> list[tuple[int, tuple[int, ...]]]:
-    """The frames a request produces alone in a fresh one-slot engine."""
-    engine = LockstepEngine(model, 1, policy=SchedulingPolicy(UNBOUNDED, chunk), **engine_kwargs)
+    """The frames a request produces alone in a fresh one-slot engine, on a copy of the model
+    (a model's slot state belongs to one engine; the caller's may be bound to another)."""
+    engine = LockstepEngine(copy.deepcopy(model), 1, policy=SchedulingPolicy(UNBOUNDED, chunk), **engine_kwargs)
     result = engine.generate([request])[request.request_id]
     return [(f.index, tuple(f.codes.tolist())) for f in result.frames]
