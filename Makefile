@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test bench diagrams gpu-check graphviz clean
+.PHONY: install demo test bench soak diagrams gpu-check graphviz clean
 
 install: $(STAMP)
 
@@ -32,6 +32,14 @@ test: install
 
 bench: install
 	$(VENV)/bin/mtp-fsm bench
+
+# Long soak: many short NullTalker requests through the serving loop with aborts, preemptions and
+# injected model faults; prints requests/s, peak RSS and live tensor counts (exit 1 on a problem).
+SOAK_REQUESTS ?= 100000
+soak: install
+	$(PY) -m mtp_fsm.serving.soak --requests $(SOAK_REQUESTS) --model null --max-slots 16 --token-budget 64 \
+	  --prefill-chunk 2 --max-frames 4 --queue-depth 16 --pool 128 --abort-p 0.2 --preempt-p 0.2 --fault-p 0.01 \
+	  --preempt-after 0 --retention 1000 --samples 20
 
 diagrams: install graphviz
 	$(PY) -m mtp_fsm.lifecycle.diagrams --out diagrams --readme README.md

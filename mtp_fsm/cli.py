@@ -27,12 +27,66 @@ DEMO_TEXTS = (
 )
 
 
+INT64_MAX = 2**63 - 1
+
+
+class UsageError(Exception):
+    """A user error found after parsing (e.g. an unusable output path): one line on stderr, exit 2."""
+
+
+def _integer(text: str, lo: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not lo <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
 def positive(text: str) -> int:
     """argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+    return _integer(text, 1, "an integer >= 1")
+
+
+def non_negative(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _integer(text, 0, "an integer >= 0")
+
+
+def seed64(text: str) -> int:
+    """argparse type: a 64-bit signed int."""
+    return _integer(text, -(2**63), "a 64-bit integer")
+
+
+def output_dir(path: str, *, create: bool = True) -> str:
+    """Check that `path` is (or can become) a writable folder, creating it (and parents)
+    unless create=False; UsageError saying why not."""
+    if not path:
+        raise UsageError("the output folder is an empty path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"output folder {path!r} exists and is not a folder")
+    if create:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create output folder {path!r}: {_os_message(exc)}") from None
+        existing = path
+    else:  # the nearest existing ancestor must be a writable folder
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise UsageError(f"cannot create output folder {path!r}: {existing!r} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"output folder {path!r} is not writable" + ("" if existing == path else f" ({existing!r})"))
+    return path
+
+
+def _os_message(exc: OSError) -> str:
+    if exc.strerror and exc.filename is not None:
+        return f"{exc.strerror}: {exc.filename!r}"
+    return exc.strerror or str(exc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,14 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens per prefill chunk (the tiny prompt is 8 positions: 4 shows chunked prefill)",
     )
     demo.add_argument("--token-budget", type=positive, default=256, help="tokens per engine step")
-    demo.add_argument("--seed", type=int, default=0, help="model weights seed; request i samples with seed+i")
+    demo.add_argument("--seed", type=seed64, default=0, help="model weights seed; request i samples with seed+i")
     demo.add_argument("--max-frames", type=positive, default=48, help="frame budget per request")
     demo.add_argument("--model", default=DEFAULT_MODEL, help="talker factory as 'package.module:factory'")
     demo.add_argument("--out", default="demo_out", help="output folder (states.png, frames.jsonl)")
     demo.add_argument("--preempt-after", type=positive, default=None, metavar="N",
                       help="preempt the newest running request when the queue head waited N steps for a slot")
     demo.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
-    demo.add_argument("--threads", type=int, default=1,
+    demo.add_argument("--threads", type=non_negative, default=1,
                       help="torch intra-op threads (0: torch's default); the tiny model's ops are too small to "
                            "gain from more, and on a busy machine extra threads spin and slow every step")
     demo.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
@@ -66,25 +120,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_error(command: str, message: object) -> int:
+    """argparse-style: one line on stderr, exit status 2."""
+    print(f"mtp-fsm {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_bench_args(argv: list[str]) -> None:
+    """What the bench would only find out after minutes of timing: a bad --threads or --out-dir."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--threads")
+    pre.add_argument("--out-dir")
+    known, _ = pre.parse_known_args(argv)
+    if known.threads is not None:
+        try:
+            non_negative(known.threads)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"argument --threads: {exc}") from None
+    if known.out_dir is not None:
+        output_dir(known.out_dir, create=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    from ._util.marked_block import MarkedBlockError
+    from .errors import MtpFsmError
+    from .serving.model_loader import ModelLoadError
+
     if args.command == "demo":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        from .errors import MtpFsmError
-        from .serving.model_loader import ModelLoadError
-
+        if args.seed + args.requests - 1 > INT64_MAX:  # request i samples with seed + i
+            return _user_error("demo", f"argument --seed: {args.seed} + {args.requests} requests overflows a 64-bit seed")
         try:
             return run_demo(args)
-        except (ModelLoadError, MtpFsmError) as exc:  # bad configuration: say what, no traceback
-            print(f"mtp-fsm demo: error: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "bench":
-        from .bench import main as plugin_main
-    else:
-        from .lifecycle.diagrams import main as plugin_main
-    return plugin_main([*extra, *args.args])
+        except (ModelLoadError, MtpFsmError, UsageError) as exc:  # bad configuration: say what, no traceback
+            return _user_error("demo", exc)
+        except OSError as exc:  # the output folder went away or filled up mid-run
+            return _user_error("demo", _os_message(exc))
+    plugin_args = [*extra, *args.args]
+    try:
+        if args.command == "bench":
+            _check_bench_args(plugin_args)
+            from .bench import main as plugin_main
+        else:
+            from .lifecycle.diagrams import main as plugin_main
+        return plugin_main(plugin_args)
+    except (UsageError, MarkedBlockError, ModelLoadError) as exc:
+        return _user_error(args.command, exc)
+    except OSError as exc:  # e.g. an output path that cannot be written
+        return _user_error(args.command, _os_message(exc))
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -97,15 +183,23 @@ def run_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .engine import LockstepEngine, NewRequest
     from .serving import ChunkingSink, JsonlSink, SchedulingPolicy, ServingLoop
-    from .serving.model_loader import load_talker
+    from .serving.model_loader import ModelLoadError, load_talker
     from .serving.plots import plot_states
 
-    os.makedirs(args.out, exist_ok=True)
-    talker = load_talker(args.model, seed=args.seed)
+    output_dir(args.out)  # before loading anything: a bad path fails at once
+    try:
+        talker = load_talker(args.model, seed=args.seed)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # the factory itself raised: most likely not a talker factory (or wrong seed)
+        raise UsageError(f"model {args.model!r}: its factory raised {type(exc).__name__}: {exc}") from exc
     policy = SchedulingPolicy(args.token_budget, args.prefill_chunk, preempt_after_steps=args.preempt_after)
     engine = LockstepEngine(talker.model, args.max_slots, kernels=args.kernels, policy=policy)
     chunk_sizes: list[int] = []  # a stand-in vocoder: the demo only counts what it would decode
-    chunker = ChunkingSink(lambda chunk: chunk_sizes.append(len(chunk.frames)), num_codebooks=engine.spec.num_codebooks)
+    chunker = ChunkingSink(
+        lambda chunk: chunk.has_audio and chunk_sizes.append(len(chunk.frames)),  # empty final chunks are no audio
+        num_codebooks=engine.spec.num_codebooks,
+    )
     jsonl = JsonlSink(os.path.join(args.out, "frames.jsonl"))
     loop = ServingLoop(engine, sinks=(jsonl, chunker))
     print(f"mtp-fsm demo: {talker.name}, {args.requests} requests, {args.max_slots} slots, "
@@ -124,7 +218,9 @@ def _demo(args: argparse.Namespace) -> int:
     plot_states(loop.metrics, os.path.join(args.out, "states.png"),
                 title=f"{talker.name}: {args.requests} requests, {args.max_slots} slots")
     print(summary.table())
-    print(f"{'audio chunks':<23}  {len(chunk_sizes)} (first chunks of {chunker.first_chunk} frames, then {chunker.chunk})")
+    width = max(len(label) for label, _ in summary.rows())
+    print(f"{'audio chunks':<{width}}  {len(chunk_sizes)} (first chunks of {chunker.first_chunk} frames, "
+          f"then {chunker.chunk})")
     print(f"wrote {os.path.join(args.out, 'states.png')} and {os.path.join(args.out, 'frames.jsonl')}")
     return 0
 
@@ -142,7 +238,7 @@ class _Progress:
             return
         done = self.loop.metrics.num_finished
         filled = int(self.WIDTH * done / self.total)
-        frames = sum(r.num_frames for r in self.loop.metrics.requests.values())
+        frames = self.loop.metrics.total_frames
         bar = "#" * filled + "-" * (self.WIDTH - filled)
         sys.stderr.write(f"\r[{bar}] {done}/{self.total} done  step {output.step + 1}  frames {frames}  ")
         sys.stderr.flush()

@@ -136,3 +136,87 @@ def test_messages_say_what_is_really_wrong():
 def test_every_refusal_is_an_mtp_fsm_error():
     for error in (PlanError, AdmissionError, ModelBindingError):
         assert issubclass(error, MtpFsmError)
+
+
+class Masking(ScriptedTalker):
+    """A talker whose heads write -inf (upstream suppress_tokens / stop heads): `cb0_mask`
+    and `mtp_mask` are bool [V] of ids set to -inf; `mtp_poison` = (codebook, value) writes
+    `value` into one logit of that MTP codebook."""
+
+    cb0_mask: torch.Tensor | None = None
+    mtp_mask: torch.Tensor | None = None
+    mtp_poison: tuple[int, float] | None = None
+
+    def cb0_logits(self, hidden):
+        logits = super().cb0_logits(hidden)
+        return logits if self.cb0_mask is None else logits.masked_fill(self.cb0_mask, float("-inf"))
+
+    def mtp(self, hidden, cb0, sample):
+        def masked(logits, codebook):
+            if self.mtp_mask is not None:
+                logits = logits.masked_fill(self.mtp_mask[: logits.shape[-1]], float("-inf"))
+            if self.mtp_poison is not None and self.mtp_poison[0] == codebook:
+                logits = logits.clone()
+                logits[:, 1] = self.mtp_poison[1]
+            return sample(logits, codebook)
+
+        return super().mtp(hidden, cb0, masked)
+
+
+def _run(model, *requests):
+    return LockstepEngine(model, max(len(requests), 1), kernels="torch").generate(list(requests))
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_minus_inf_logits_are_masks_not_errors(sampling):
+    from mtp_fsm.sampling import SamplingParams
+
+    model = Masking()
+    spec = model.spec
+    vocab = spec.backbone_vocab_size
+    model.cb0_mask = torch.arange(vocab) % 2 == 1  # every odd id suppressed
+    model.cb0_mask[spec.eos_token_id] = False
+    model.mtp_mask = torch.arange(spec.codebook_size) < spec.codebook_size // 2  # the low half suppressed
+    params = SamplingParams(temperature=0.9, top_k=5) if sampling == "sampled" else SamplingParams()
+    result = _run(model, request("a", max_frames=12, cb0_sampling=params, mtp_sampling=params))["a"]
+    assert result.finished.reason in (FinishReason.LENGTH, FinishReason.EOS), result.finished
+    assert result.finished.detail == ""
+    codes = torch.stack([f.codes for f in result.frames])
+    assert len(codes) > 0
+    assert not model.cb0_mask[codes[:, 0]].any(), "a -inf CB0 id was sampled"
+    assert not model.mtp_mask[codes[:, 1:]].any(), "a -inf MTP id was sampled"
+
+
+@pytest.mark.parametrize("inputs, poison, detail", [
+    (ScriptInputs((1, 2, 3), nan_at=1), None, "CB0 sampling: a logit is NaN"),
+    (ScriptInputs((1, 2, 3), mtp_nan_at=2), None, "MTP sampling, codebook 1: a logit is NaN"),
+    (ScriptInputs((1, 2, 3)), (2, float("inf")), "MTP sampling, codebook 2: a logit is +inf"),
+    (ScriptInputs((1, 2, 3)), (3, float("nan")), "MTP sampling, codebook 3: a logit is NaN"),
+], ids=["cb0-nan", "mtp-nan", "mtp-posinf", "mtp-nan-cb3"])
+def test_error_finishes_say_which_stage_codebook_and_value(inputs, poison, detail):
+    model = Masking()
+    model.mtp_poison = poison
+    result = _run(model, request("a", inputs=inputs, max_frames=6), request("ok", max_frames=3))
+    assert result["a"].finished.reason is FinishReason.ERROR
+    assert result["a"].finished.detail == detail
+    assert len(result["a"].frames) == (inputs.nan_at if inputs.nan_at is not None else inputs.mtp_nan_at or 0)
+    # A poison hits every row; otherwise the neighbour is untouched by the faulty row.
+    assert (result["ok"].finished.reason is FinishReason.ERROR) == (poison is not None)
+
+
+def test_a_row_with_every_id_masked_is_an_error_that_says_so():
+    model = Masking()
+    model.cb0_mask = torch.ones(model.spec.backbone_vocab_size, dtype=torch.bool)
+    done = _run(model, request("a"))["a"].finished
+    assert (done.reason, done.detail) == (
+        FinishReason.ERROR, "CB0 sampling: every allowed id is masked (-inf), nothing left to sample")
+
+
+def test_a_recycled_slot_forgets_the_fault_of_its_last_owner():
+    model = Masking()
+    engine = LockstepEngine(model, 1, kernels="torch")
+    first = engine.generate([request("bad", inputs=ScriptInputs((1, 2), nan_at=0))])["bad"].finished
+    assert first.detail == "CB0 sampling: a logit is NaN"
+    model.mtp_poison = (1, float("inf"))
+    second = engine.generate([request("next", max_frames=2)])["next"].finished
+    assert second.detail == "MTP sampling, codebook 1: a logit is +inf"

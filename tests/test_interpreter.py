@@ -75,8 +75,12 @@ def sampling_batches(draw):
     else:
         logits = torch.randn(b, v, generator=g) * draw(st.sampled_from([0.01, 1.0, 8.0, 1e30]))
     for row in range(b):
-        kind = draw(st.sampled_from(["ok"] * 5 + ["nan", "inf", "-inf"]))
-        if kind != "ok":
+        kind = draw(st.sampled_from(["ok"] * 5 + ["nan", "inf", "-inf", "masked", "all-masked"]))
+        if kind == "masked":  # a model masking ids with -inf (suppress_tokens): not a fault
+            logits[row, torch.rand(v, generator=g) < 0.5] = float("-inf")
+        elif kind == "all-masked":  # nothing left to sample: a fault
+            logits[row] = float("-inf")
+        elif kind != "ok":
             logits[row, draw(st.integers(0, v - 1))] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}[kind]
     temps = st.sampled_from([0.0, 0.0, 1e-30, 0.3, 0.9, 1.0, 1.7])
     top_ps = st.sampled_from([1.0, 0.9999999999, 0.95, 0.5, 0.1, 1e-6, 1e-9])
@@ -106,17 +110,17 @@ def test_sampler_matches_engine_sampler(batch, shortcuts):
         key = frame_key(col["seed"], col["frame_index"])
         noise = gumbel_noise_codebooks(key, codebook, 1, logits.shape[1])[0]
         extra = dict(apply_filters=k_max > 0 or any_p, top_k_max=k_max, any_top_p=any_p, key=key, noise=noise)
-    tokens, bad = sample_tokens(logits, *col.values(), codebook, allowed=allowed, **extra)
+    tokens, fault = sample_tokens(logits, *col.values(), codebook, allowed=allowed, **extra)
     for row, p in enumerate(params):
         mine = sample_row(logits[row], p, seeds[row], frames[row], codebook, allowed)
-        assert mine == (int(tokens[row]), bool(bad[row])), f"row {row} {p}: {mine} vs engine {tokens[row], bad[row]}"
+        assert mine == (int(tokens[row]), int(fault[row])), f"row {row} {p}: {mine} vs engine {tokens[row], fault[row]}"
 
 
 @settings(max_examples=200, deadline=None)
 @given(sampling_batches())
 def test_kept_set_matches_engine_filter(batch):
     logits, params, _, _, _, allowed = batch
-    scores = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0)
+    scores = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=float("-inf"))
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     scores = scores / torch.tensor([p.temperature or 1.0 for p in params])[:, None]  # greedy rows: raw

@@ -9,7 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from mtp_fsm.sampling import GREEDY, SamplingParams, filter_mask, gumbel_noise, mix32, row_key, sample_tokens, token_hash
+from mtp_fsm.sampling import (
+    FAULT_EMPTY, FAULT_NAN, FAULT_OK, FAULT_POSINF, GREEDY, SamplingParams, filter_mask, gumbel_noise, mix32, row_key,
+    sample_tokens, token_hash,
+)
 from mtp_fsm.sampling.noise import MASK32, NOISE_TABLE_SIZE, gumbel_table
 from mtp_fsm.sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, MAX_VOCAB_FIXED, fixed_tables
 from mtp_fsm.testing.alone import torch_threads
@@ -182,18 +185,36 @@ def test_noise_does_not_depend_on_batch_composition_or_row_order(batch, data):
 
 
 @PROPS
-@given(batches(min_rows=2), st.data(), st.sampled_from([float("nan"), float("inf"), float("-inf")]))
-def test_nonfinite_rows_are_flagged_and_do_not_disturb_other_rows(batch, data, value):
+@given(batches(min_rows=2), st.data(), st.sampled_from([(float("nan"), FAULT_NAN), (float("inf"), FAULT_POSINF)]))
+def test_nan_and_posinf_rows_are_faults_and_do_not_disturb_other_rows(batch, data, value_kind):
+    value, kind = value_kind
     logits = batch[0].clone()
     n, v = logits.shape
     bad_row = data.draw(st.integers(0, n - 1))
     logits[bad_row, data.draw(st.integers(0, v - 1))] = value
-    tokens, bad = sample((logits, *batch[1:]), 1)
-    assert bad.tolist() == [i == bad_row for i in range(n)]
-    clean, clean_bad = sample(batch, 1)
+    tokens, fault = sample((logits, *batch[1:]), 1)
+    assert fault.tolist() == [kind if i == bad_row else FAULT_OK for i in range(n)]
+    clean, clean_fault = sample(batch, 1)
     others = torch.arange(n) != bad_row
-    assert torch.equal(tokens[others], clean[others]) and not clean_bad.any()
+    assert torch.equal(tokens[others], clean[others]) and not clean_fault.any()
     assert 0 <= int(tokens[bad_row]) < v  # still a valid id (the row is discarded by the caller)
+
+
+@PROPS
+@given(batches(), st.data())
+def test_minus_inf_is_a_mask_not_a_fault(batch, data):
+    """-inf masks an id exactly like `allowed` does (upstream suppress_tokens); only a row
+    with nothing left unmasked is a fault (FAULT_EMPTY)."""
+    logits = batch[0]
+    n, v = logits.shape
+    masked = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=v, max_size=v), min_size=n, max_size=n)))
+    tokens, fault = sample((logits.masked_fill(masked, float("-inf")), *batch[1:]), 1)
+    empty = masked.all(dim=-1)
+    assert fault.tolist() == [FAULT_EMPTY if e else FAULT_OK for e in empty.tolist()]
+    picked = masked[torch.arange(n), tokens]
+    assert not picked[~empty].any(), "a -inf id was sampled"
+    if not masked.any():
+        assert torch.equal(tokens, sample(batch, 1)[0])
 
 
 @PROPS
@@ -258,9 +279,9 @@ def test_sampling_params_validation():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_logits_dtype_does_not_change_greedy(dtype):
     logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 1.0, 2.5]])
-    tokens, bad = sample_tokens(logits.to(dtype), torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
-                                torch.tensor([1, 2]), torch.tensor([0, 0]), 0)
-    assert tokens.tolist() == [1, 0] and not bad.any()
+    tokens, fault = sample_tokens(logits.to(dtype), torch.zeros(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
+                                  torch.tensor([1, 2]), torch.tensor([0, 0]), 0)
+    assert tokens.tolist() == [1, 0] and not fault.any()
 
 
 @settings(max_examples=30, deadline=None)

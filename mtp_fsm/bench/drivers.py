@@ -15,7 +15,7 @@ from ..lifecycle import (
 from ..lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES, RULE_REASON
 from ..model_api import TalkerModel
 from ..sampling import SamplingParams
-from .rowsample import RowSampler
+from .rowsample import RowSampler, faulty_rows
 
 # A published frame as every driver reports it: (request id, frame index, codes).
 FrameKey = tuple[str, int, tuple[int, ...]]
@@ -149,7 +149,7 @@ class _PerRequestDriver:
             for i, (rid, req) in enumerate(zip(rows, reqs))
         ])
         # The host needs each row's CB0 (EOS) and logits health: one copy of each.
-        cb0_list, cb0_bad = cb0.tolist(), (~torch.isfinite(logits).all(-1)).tolist()
+        cb0_list, cb0_bad = cb0.tolist(), faulty_rows(logits).tolist()
         eos = self.spec.eos_token_id
         for rid, token, bad, n in zip(rows, cb0_list, cb0_bad, scheduled):
             computed = self.computed(rid)
@@ -162,7 +162,7 @@ class _PerRequestDriver:
             mtp_bad = torch.zeros(len(rows), dtype=torch.bool)
 
             def sample(mtp_logits: torch.Tensor, codebook: int) -> torch.Tensor:
-                mtp_bad.logical_or_(~torch.isfinite(mtp_logits).all(-1))
+                mtp_bad.logical_or_(faulty_rows(mtp_logits))
                 return torch.stack([
                     self.mtp_sampler(mtp_logits[i], req.mtp, req.seed, self.num_frames(rid), codebook)
                     for i, (rid, req) in enumerate(zip(rows, reqs))

@@ -26,6 +26,13 @@ def row_key_int(seed: int, frame_index: int, codebook: int) -> int:
     return _mix32_int(h ^ (codebook & MASK32))
 
 
+def faulty_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Bool [B]: rows holding NaN or +inf (-inf is a mask). Rows with every id masked are
+    not checked: the baselines' models never produce them."""
+    logits = logits.float()
+    return torch.isnan(logits).any(-1) | (logits == float("inf")).any(-1)
+
+
 class RowSampler:
     """Samples one request's token from its own logits row [V] with torch ops.
 

@@ -14,6 +14,7 @@ from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID,
 from ..lifecycle import FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel
+from ..sampling import describe_fault
 from ..slots import SlotTable
 from .ledger import HostStep, Ledger
 from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
@@ -260,9 +261,9 @@ class LockstepEngine:
             logits = self._cb0_logits(last_hidden)
             cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
             if self._mtp is not None:
-                sample, mtp_bad = k.mtp_sampler(table, batch)
+                sample, mtp_faults = k.mtp_sampler(table, batch)
                 codes = self._mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
-                k.mtp_scatter(table, lc, batch, mtp_bad)
+                k.mtp_scatter(table, lc, batch, mtp_faults)
             else:
                 codes = cb0[:, None]
             packed = k.publish_frames(table, lc, batch, codes, self._frame_embed(codes))
@@ -303,6 +304,12 @@ class LockstepEngine:
 
     # -- host side ----------------------------------------------------------------------
 
+    def _explain_errors(self, slots: list[int]) -> list[str]:
+        """Why each of these slots' requests ended in error this step: its fault word (the
+        stage's sampler wrote which codebook and what was wrong), as a sentence."""
+        words = self.table.fault[torch.tensor(slots, dtype=torch.int64, device=self.device)].tolist()
+        return [describe_fault(w) for w in words]
+
     def _build_output(self, host: HostStep, packed_np: np.ndarray, packed: torch.Tensor) -> StepOutput:
         if packed_np[-1, OUT_ERROR] or packed_np[:-1, OUT_ERROR][~host.padding_np].any():
             bad = np.flatnonzero(self.table.error[: self.table.max_slots].cpu().numpy())
@@ -312,7 +319,7 @@ class LockstepEngine:
                 + ", ".join(f"{s} (owner {owners.get(s)!r}, bits {int(self.table.error[s])})" for s in bad)
             )
         rows_np, rows = packed_np[:-1], packed[:-1]
-        valid_rows, ended = self.ledger.observe(host, rows_np)
+        valid_rows, ended = self.ledger.observe(host, rows_np, self._explain_errors)
         # `packed` is this step's own copy: views of it are owned by the output, and the
         # advanced indexing below copies again, so FrameBatch and RowOutput never alias.
         codes = rows[:, OUT_CODES:]

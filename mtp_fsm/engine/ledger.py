@@ -3,7 +3,7 @@ oracle, allocates slots and stages the device inputs of the step."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import attrs
 import numpy as np
@@ -323,10 +323,14 @@ class Ledger:
 
     # -- after the step ------------------------------------------------------------------
 
-    def observe(self, host: HostStep, packed: np.ndarray) -> tuple[np.ndarray, list[FinishedRequest]]:
+    def observe(
+        self, host: HostStep, packed: np.ndarray, explain: Callable[[list[int]], list[str]] | None = None,
+    ) -> tuple[np.ndarray, list[FinishedRequest]]:
         """Refresh the mirror from the step's copied output [B, OUT_CODES + Q].
 
         Returns (indices of rows that published a frame, requests that ended this step).
+        `explain(slots)` gives the detail of the requests that ended with reason error (read
+        only when some did, so the common step costs nothing).
         Vectorised: the only Python loops run over published frames and ended requests.
         """
         ended = list(host.ended)
@@ -340,9 +344,12 @@ class Ledger:
         self.slot_reason[slots] = packed[real, OUT_REASON]
         now_terminal = np.isin(packed[:, OUT_STATE], self._terminal_codes) & real
         newly = np.flatnonzero(now_terminal & ~_scatter(real, was_terminal))
+        errors = [int(host.slots_np[row]) for row in newly if packed[row, OUT_REASON] == int(FinishReason.ERROR)]
+        details = iter(explain(errors) if errors and explain is not None else ())
         for row in newly:
             record = self.sync(host.row_records[row])
-            ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames))
+            detail = next(details, "") if record.finish_reason is FinishReason.ERROR else ""
+            ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames, detail))
         return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
 
 

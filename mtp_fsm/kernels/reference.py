@@ -17,7 +17,7 @@ import torch
 
 from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
 from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
-from ..sampling import frame_key, gumbel_noise_codebooks, sample_tokens
+from ..sampling import FAULT_CODEBOOK_SHIFT, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 
@@ -153,6 +153,15 @@ def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text
     return inputs, positions, token_slots
 
 
+def _record_fault(table: SlotTable, slot: torch.Tensor, owned: torch.Tensor, result: PhaseResult,
+                  fault: torch.Tensor) -> None:
+    """The `fault` column: a row's first fault word, kept only where the phase ended the
+    row (a recorded reason) on a bad sample, and only while the column is still 0."""
+    old = table.fault[slot]
+    write = owned & (result.reason != 0) & (fault != 0) & (old == 0)
+    table.fault[slot] = torch.where(write, fault.to(old.dtype), old)
+
+
 def sample_cb0(
     table: SlotTable,
     lc: DeviceLifecycle,
@@ -168,24 +177,27 @@ def sample_cb0(
     owned = _owned(table, batch)
     live = owned & in_class(lc, state, CLASS_LIVE)
     computed = table.num_computed[slot] + torch.where(live, batch.num_scheduled, 0)
-    tokens, bad = sample_tokens(
+    tokens, fault = sample_tokens(
         logits, table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot],
         table.seed[slot], table.num_frames[slot], 0, allowed=allowed, apply_filters=batch.cb0_filters,
         top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p,
     )
+    bad = fault != 0
     eos = tokens == eos_token_id if eos_token_id is not None else torch.zeros_like(bad)
     facts = {Predicate.PROMPT_DONE: computed >= table.prompt_len[slot], Predicate.CB0_NONFINITE: bad,
              Predicate.EOS_SAMPLED: eos}
     result = run_phase(lc, Phase.SAMPLE, state, owned, lambda _: facts)
     table.num_computed[slot] = computed
     _record(table, slot, result)
+    _record_fault(table, slot, owned, result, fault)  # codebook 0: the word is the kind
     return tokens
 
 
 def mtp_sampler(table: SlotTable, batch: StepBatch):
-    """The CodebookSampler handed to the model's MTP hook, plus its per-row bad flags."""
+    """The CodebookSampler handed to the model's MTP hook, plus its per-row fault words
+    (int32 [B]: kind | codebook << 4 of the row's lowest bad codebook, 0 = none)."""
     slot = batch.idx_mapping
-    bad = torch.zeros(slot.shape, dtype=torch.bool, device=slot.device)
+    faults = torch.zeros(slot.shape, dtype=torch.int32, device=slot.device)
     temperature, top_k, top_p = table.mtp_temperature[slot], table.mtp_top_k[slot], table.mtp_top_p[slot]
     seed, frame_index = table.seed[slot], table.num_frames[slot]
     key = frame_key(seed, frame_index)  # shared by the frame's Q-1 codebooks
@@ -202,22 +214,28 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         return block[codebook - 1] if block is not None and 1 <= codebook <= count else None
 
     def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
-        tokens, row_bad = sample_tokens(
+        tokens, kind = sample_tokens(
             logits, temperature, top_k, top_p, seed, frame_index, codebook, apply_filters=batch.mtp_filters,
             key=key, top_k_max=batch.mtp_top_k_max, any_top_p=batch.mtp_any_top_p,
             noise=noise_for(codebook, logits.shape[-1]),
         )
-        bad.logical_or_(row_bad)
+        # Keep the lowest bad codebook, whatever order the hook samples them in.
+        first = (kind != 0) & ((faults == 0) | ((faults >> FAULT_CODEBOOK_SHIFT) > int(codebook)))
+        faults.copy_(torch.where(first, kind | (int(codebook) << FAULT_CODEBOOK_SHIFT), faults))
         return tokens
 
-    return sample, bad
+    return sample, faults
 
 
-def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_bad: torch.Tensor) -> None:
-    """Stage 5: the MTP-phase stages (frame complete, or an error on non-finite MTP logits)."""
+def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor) -> None:
+    """Stage 5: the MTP-phase stages (frame complete, or an error on a bad MTP sample).
+    mtp_faults: the fault words of `mtp_sampler` (int32 [B], 0 = ok)."""
     slot = batch.idx_mapping
-    facts = {Predicate.MTP_NONFINITE: mtp_bad}
-    _record(table, slot, run_phase(lc, Phase.MTP, table.state[slot], _owned(table, batch), lambda _: facts))
+    owned = _owned(table, batch)
+    facts = {Predicate.MTP_NONFINITE: mtp_faults != 0}
+    result = run_phase(lc, Phase.MTP, table.state[slot], owned, lambda _: facts)
+    _record(table, slot, result)
+    _record_fault(table, slot, owned, result, mtp_faults)
 
 
 def publish_frames(

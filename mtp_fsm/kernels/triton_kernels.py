@@ -11,7 +11,7 @@ batch size:
 | replay_frames     | 1 (+ the model's frame_embed and text_step)                      |
 | compose_inputs    | 2: frame index, then the fused gather (+ the model's text_step)  |
 | sample_cb0        | 1                                                                |
-| mtp_sampler       | 1 memset (bad flags) + 1 per codebook the MTP hook samples       |
+| mtp_sampler       | 1 memset (fault words) + 1 per codebook the MTP hook samples     |
 | mtp_scatter       | 1                                                                |
 | publish_frames    | 1                                                                |
 
@@ -258,7 +258,7 @@ def sample_cb0(
     K.sample_cb0_kernel[(triton.cdiv(rows, tile),)](
         batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, rows,
         table.state, table.serial, table.num_computed, table.prompt_len, table.error, table.finish_reason,
-        table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k, table.cb0_top_p,
+        table.fault, table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k, table.cb0_top_p,
         lc.rules, lc.state_class, chain, logits, logits.stride(0), vocab, noise if allowed is None else _u8(allowed),
         noise, hi, lo, -1 if eos_token_id is None else int(eos_token_id), tokens,
         **_rules(lc), **shape, HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters),
@@ -268,13 +268,14 @@ def sample_cb0(
 
 
 def mtp_sampler(table: SlotTable, batch: StepBatch):
-    """The CodebookSampler handed to the model's MTP hook, plus its per-row bad flags.
+    """The CodebookSampler handed to the model's MTP hook, plus its per-row fault words
+    (int32, kind | codebook << 4 of the lowest bad codebook; 0 = none).
 
     Parameters, seed and frame index are read from the table at sampling time; the MTP
     hook runs between this call and mtp_scatter, where nothing writes those columns."""
     slot = batch.idx_mapping
     rows = int(slot.shape[0])
-    bad = torch.zeros(rows, dtype=torch.bool, device=slot.device)
+    faults = torch.zeros(rows, dtype=torch.int32, device=slot.device)
     filters = bool(batch.mtp_filters)
 
     def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
@@ -289,23 +290,23 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         tile = _row_tile(n, 1)
         K.sample_mtp_kernel[(triton.cdiv(n, tile),)](
             slot, n, table.num_frames, table.seed, table.mtp_temperature, table.mtp_top_k, table.mtp_top_p,
-            logits, logits.stride(0), vocab, int(codebook), noise, hi, lo, tokens, _u8(bad),
+            logits, logits.stride(0), vocab, int(codebook), noise, hi, lo, tokens, faults,
             APPLY_FILTERS=filters, BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
         )
         return tokens
 
-    return sample, bad
+    return sample, faults
 
 
-def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_bad: torch.Tensor) -> None:
+def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor) -> None:
     """The MTP-phase stage chain (a lifecycle without one leaves every row as it is)."""
     rows = batch.num_rows
     if rows == 0 or not lc.has_stages(Phase.MTP):
         return
     chain, shape = _chain(lc, Phase.MTP)
     K.mtp_scatter_kernel[(triton.cdiv(rows, ROW_BLOCK),)](
-        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, _u8(mtp_bad), rows,
-        table.state, table.serial, table.finish_reason, table.error, lc.rules, chain,
+        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, mtp_faults, rows,
+        table.state, table.serial, table.finish_reason, table.error, table.fault, lc.rules, chain,
         **_rules(lc), **shape, BLOCK=ROW_BLOCK,
     )
 

@@ -13,7 +13,9 @@ A port of `mtp_fsm.sampling` (see the contract in sampling/sampler.py):
   threshold value found by the same bisection instead of a sort, so the kept set is
   identical to the reference's, boundaries included;
 - argmax over kept ids with ties to the lowest id; greedy rows take argmax of the raw
-  (masked) logits.
+  (masked) logits;
+- a -inf logit masks its id like `allowed` does; NaN / +inf (read as 0) and a row with no
+  unmasked id are the fault codes of `sampling.faults`, in the same precedence.
 
 The whole row lives in one block (vocab up to MAX_VOCAB).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..sampling.faults import FAULT_EMPTY as _FAULT_EMPTY, FAULT_NAN as _FAULT_NAN, FAULT_POSINF as _FAULT_POSINF
 from ..sampling.noise import MUL_A as _MUL_A, MUL_B as _MUL_B, NOISE_BITS as _NOISE_BITS
 from ..sampling.topp import FX_LIMIT as _FX_LIMIT, FX_ONE as _FX_ONE, FX_STEP as _FX_STEP
 
@@ -32,6 +35,9 @@ NOISE_SHIFT = tl.constexpr(32 - _NOISE_BITS)
 FX_STEP = tl.constexpr(_FX_STEP)
 FX_LIMIT = tl.constexpr(_FX_LIMIT)
 FX_ONE = tl.constexpr(_FX_ONE)
+FAULT_NAN = tl.constexpr(_FAULT_NAN)
+FAULT_POSINF = tl.constexpr(_FAULT_POSINF)
+FAULT_EMPTY = tl.constexpr(_FAULT_EMPTY)
 MAX_VOCAB = 16384
 
 
@@ -137,18 +143,23 @@ def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr):
 def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, top_p, key, allowed_ptr, gumbel_ptr,
                 fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
                 BLOCK_V: tl.constexpr):
-    """A tile of rows of `sampling.sample_tokens`: (tokens int64 [R], bad [R])."""
+    """A tile of rows of `sampling.sample_tokens`: (tokens int64 [R], fault int32 [R])."""
     offs = tl.arange(0, BLOCK_V)
     inb = rmask[:, None] & (offs < V)[None, :]
     x = tl.load(logit_ptr + rows.to(tl.int64)[:, None] * logits_stride + offs[None, :], mask=inb, other=0.0)
     x = x.to(tl.float32)
-    finite = (x == x) & (tl.abs(x) != float("inf"))
-    bad = tl.sum((inb & ~finite).to(tl.int32), 1) > 0
-    x = tl.where(finite, x, 0.0)
+    nan = x != x
+    posinf = x == float("inf")
+    has_nan = tl.sum((inb & nan).to(tl.int32), 1) > 0
+    has_posinf = tl.sum((inb & posinf).to(tl.int32), 1) > 0
+    x = tl.where(nan | posinf, 0.0, x)  # -inf stays: a masked id
     if HAS_ALLOWED:
         ok = tl.load(allowed_ptr + offs, mask=offs < V, other=0) != 0
         x = tl.where(ok[None, :], x, float("-inf"))
     x = tl.where(inb, x, float("-inf"))
+    empty = rmask & (tl.sum((x > float("-inf")).to(tl.int32), 1) == 0)
+    fault = tl.where(has_nan, FAULT_NAN, tl.where(has_posinf, FAULT_POSINF, tl.where(empty, FAULT_EMPTY, 0)))
+    fault = fault.to(tl.int32)
     greedy = temperature <= 0
     scores = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature).to(tl.float32)[:, None])
     if APPLY_FILTERS:
@@ -159,4 +170,4 @@ def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, to
     final = tl.where(greedy[:, None], x, scores + noise)
     final = tl.where(inb, final, float("-inf"))
     token = tl.argmax(final, 1, tie_break_left=True)
-    return token.to(tl.int64), bad
+    return token.to(tl.int64), fault

@@ -21,7 +21,10 @@ from .triton_common import (
     E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID,
     add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
+from ..sampling.faults import FAULT_CODEBOOK_SHIFT
 from .triton_sampling import row_key, sample_rows
+
+F_CODEBOOK_SHIFT = tl.constexpr(FAULT_CODEBOOK_SHIFT)
 
 
 @triton.jit(do_not_specialize=['E'])
@@ -171,14 +174,14 @@ def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B,
 
 @triton.jit(do_not_specialize=['B'])
 def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
-                      state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr, reason_ptr,
+                      state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr, reason_ptr, fault_ptr,
                       frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp_ptr, rules_ptr, class_ptr, chain_ptr,
                       logits_ptr, logits_stride, V, allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, eos_id, tokens_ptr,
                       NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
                       HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """A tile of rows: counters, CB0 sampling, the sample-phase predicates (prompt done,
-    non-finite CB0 logits, EOS sampled) and the sample-phase stage chain."""
+    a bad CB0 sample, EOS sampled), the sample-phase stage chain and the fault column."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
     slot = tl.load(idx_ptr + row, mask=rm, other=0)
@@ -190,10 +193,11 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
     computed = tl.load(computed_ptr + slot, mask=rm, other=0) + tl.where(live, n, 0)
     seed = tl.load(seed_ptr + slot, mask=rm, other=0)
     key = row_key(seed, tl.load(frames_ptr + slot, mask=rm, other=0), seed * 0)
-    token, bad = sample_rows(
+    token, fault = sample_rows(
         logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
         allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED, APPLY_FILTERS, BLOCK_V)
+    bad = fault != 0
     tl.store(tokens_ptr + row, token, mask=rm)
     done = computed >= tl.load(plen_ptr + slot, mask=rm, other=0)
     eos = (token == eos_id) & (eos_id >= 0)
@@ -206,38 +210,54 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
     tl.store(state_ptr + slot, new, mask=w)
     tl.store(reason_ptr + slot, tl.where(why != 0, why, reason), mask=w)
     tl.store(error_ptr + slot, tl.where(stuck, err | E_ILLEGAL, err), mask=w)
+    _record_fault(fault_ptr, slot, w, owned, why, fault)  # codebook 0: the word is the kind
+
+
+@triton.jit
+def _record_fault(fault_ptr, slot, w, owned, why, fault):
+    """reference._record_fault: the row's first fault word, where the phase ended an owned
+    row (a recorded reason) on a bad sample and the column is still 0."""
+    old = tl.load(fault_ptr + slot, mask=w, other=0)
+    write = owned & (why != 0) & (fault != 0) & (old == 0)
+    tl.store(fault_ptr + slot, tl.where(write, fault, old), mask=w)
 
 
 @triton.jit(do_not_specialize=['B', 'codebook'])
 def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp_ptr,
-                      logits_ptr, logits_stride, V, codebook, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, tokens_ptr, bad_ptr,
+                      logits_ptr, logits_stride, V, codebook, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, tokens_ptr, fault_ptr,
                       APPLY_FILTERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A tile of rows: MTP codebook `codebook` with each row's MTP parameters."""
+    """A tile of rows: MTP codebook `codebook` with each row's MTP parameters; each row's
+    fault word (int32, kind | codebook << 4) keeps its lowest bad codebook."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
     slot = tl.load(idx_ptr + row, mask=rm, other=0)
     seed = tl.load(seed_ptr + slot, mask=rm, other=0)
     key = row_key(seed, tl.load(frames_ptr + slot, mask=rm, other=0), seed * 0 + codebook)
-    token, bad = sample_rows(
+    token, kind = sample_rows(
         logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
         gumbel_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, False, APPLY_FILTERS, BLOCK_V)
     tl.store(tokens_ptr + row, token, mask=rm)
-    tl.store(bad_ptr + row, tl.full([BLOCK_R], 1, tl.uint8), mask=rm & bad)
+    old = tl.load(fault_ptr + row, mask=rm, other=0)
+    cb = codebook.to(tl.int32)
+    first = (kind != 0) & ((old == 0) | ((old >> F_CODEBOOK_SHIFT) > cb))
+    tl.store(fault_ptr + row, kind | (cb << F_CODEBOOK_SHIFT), mask=rm & first)
 
 
 @triton.jit(do_not_specialize=['B'])
-def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, bad_ptr, B, state_ptr, serial_ptr, reason_ptr, error_ptr,
-                       rules_ptr, chain_ptr, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr,
+def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, B, state_ptr, serial_ptr, reason_ptr, error_ptr,
+                       fault_ptr, rules_ptr, chain_ptr, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr,
                        WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """The MTP-phase stage chain on the predicate MTP_NONFINITE."""
+    """The MTP-phase stage chain on the predicate MTP_NONFINITE (a row's fault word != 0),
+    then the fault column."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < B
     slot = tl.load(idx_ptr + r, mask=m, other=0)
     pad = tl.load(pad_ptr + r, mask=m, other=1) != 0
     state = tl.load(state_ptr + slot, mask=m, other=0)
     owned = (~pad) & (tl.load(serial_ptr + slot, mask=m, other=0) == tl.load(exp_ptr + r, mask=m, other=0))
-    word = predicate_bit(tl.load(bad_ptr + r, mask=m, other=0) != 0, B_MTP_NONFINITE)
+    fault = tl.load(fault_in_ptr + r, mask=m, other=0)
+    word = predicate_bit(fault != 0, B_MTP_NONFINITE)
     new, why, published, stuck = run_chain(rules_ptr, chain_ptr, state, word, owned, NS, PLANE, STAGES, WIDTH)
     w = m & ~pad
     reason = tl.load(reason_ptr + slot, mask=w, other=0)
@@ -245,6 +265,7 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, bad_ptr, B, state_ptr, serial_
     tl.store(state_ptr + slot, new, mask=w)
     tl.store(reason_ptr + slot, tl.where(why != 0, why, reason), mask=w)
     tl.store(error_ptr + slot, tl.where(stuck, err | E_ILLEGAL, err), mask=w)
+    _record_fault(fault_ptr, slot, w, owned, why, fault)
 
 
 @triton.jit(do_not_specialize=['B'])

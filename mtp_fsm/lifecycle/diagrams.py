@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from transitions.extensions import GraphMachine
 
-from .._util.marked_block import replace_marked_block
+from .._util.marked_block import MarkedBlockError, replace_marked_block
 from .spec import LifecycleSpec
 from .variants import VARIANTS
 
@@ -76,16 +77,58 @@ def update_readme(readme: Path, spec: LifecycleSpec) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Render every variant into --out and refresh the README's block. A user error (an
+    output path that cannot be written, a README without the block) is one line on stderr
+    and exit status 2."""
     parser = argparse.ArgumentParser(prog="mtp-fsm diagrams", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("diagrams"))
-    parser.add_argument("--readme", type=Path, default=Path("README.md"))
+    parser.add_argument("--out", type=Path, default=Path("diagrams"), help="folder for the .dot/.mmd/.svg files")
+    parser.add_argument(
+        "--readme", type=Path, default=None,
+        help="README whose lifecycle-diagram block is regenerated; it must carry the block (default: "
+             "./README.md when it carries the block, otherwise no README is touched)",
+    )
     args = parser.parse_args(argv)
-    for path in render_all(args.out):
-        print(f"wrote {path}")
-    if args.readme.exists():
-        changed = update_readme(args.readme, VARIANTS["mtp"]())
-        print(f"{'updated' if changed else 'unchanged'} {args.readme}")
+
+    def fail(message: str) -> int:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return 2
+
+    readme = args.readme
+    if readme is None:
+        default = Path("README.md")
+        readme = default if default.is_file() and README_BEGIN in _read_or_empty(default) else None
+    elif not readme.is_file():
+        return fail(f"README {str(readme)!r} does not exist (or is not a file)")
+    else:
+        text = _read_or_empty(readme)
+        if README_BEGIN not in text or README_END not in text:  # checked before writing anything
+            return fail(f"README {str(readme)!r} has no lifecycle-diagram block: add the lines {README_BEGIN!r} "
+                        f"and {README_END!r} where the diagram goes")
+    if args.out.exists() and not args.out.is_dir():
+        return fail(f"output folder {str(args.out)!r} exists and is not a folder")
+    try:
+        for path in render_all(args.out):
+            print(f"wrote {path}")
+        if readme is not None:
+            changed = update_readme(readme, VARIANTS["mtp"]())
+            print(f"{'updated' if changed else 'unchanged'} {readme}")
+        else:
+            print("no README.md with a lifecycle-diagram block here: no README updated")
+    except MarkedBlockError as exc:
+        return fail(str(exc))
+    except OSError as exc:
+        where = "" if exc.filename is None else f" {str(exc.filename)!r}"
+        return fail(f"cannot write{where}: {exc.strerror or exc}")
+    except subprocess.CalledProcessError as exc:
+        return fail(f"graphviz `dot` failed (exit {exc.returncode}) rendering {exc.cmd[2]!r}")
     return 0
+
+
+def _read_or_empty(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 if __name__ == "__main__":

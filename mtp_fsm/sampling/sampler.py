@@ -5,17 +5,40 @@ temperature; top-k keeps scores >= the k-th largest; top-p then keeps the smalle
 of the remaining scores (sorted descending) whose mass before it is < top_p, the mass being
 the exact fixed-point integer weights of `topp` (no float reduction, vocab <= 2**14); the
 token is argmax(scores + gumbel) over kept ids, ties to the lowest id. Temperature 0 is
-argmax of the raw logits. A row with any non-finite logit is reported as bad.
+argmax of the raw logits.
+
+A -inf logit is a mask: the id is never sampled, exactly like an id outside `allowed`
+(top-k counts and top-p weighs only the unmasked ids, since masked ids sort last and weigh
+0). Each row gets a fault code (`faults`): NaN or +inf anywhere in the float32 row is a
+fault (those logits are read as 0 so the row still yields some id), and so is a row with
+no unmasked id left (every allowed id -inf; the token is then id 0).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .faults import FAULT_EMPTY, FAULT_NAN, FAULT_POSINF
 from .noise import codebook_key, frame_key, gumbel_noise
 from .topp import FX_ONE, MAX_VOCAB_FIXED, fixed_weights
 
 NEG_INF = float("-inf")
+POS_INF = float("inf")
+
+
+def row_faults(logits: torch.Tensor, allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sanitised float32 logits [B, V], fault int32 [B]) under the masking rule: NaN and
+    +inf are faults and read as 0, -inf and ids outside `allowed` are masked (-inf), and a
+    row with nothing unmasked left is FAULT_EMPTY. NaN takes precedence over +inf over empty."""
+    logits = logits.float()
+    has_nan = torch.isnan(logits).any(dim=-1)
+    has_posinf = (logits == POS_INF).any(dim=-1)
+    logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=NEG_INF)  # a bad row still yields some token
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, NEG_INF)
+    empty = (logits == NEG_INF).all(dim=-1)
+    fault = torch.where(has_nan, FAULT_NAN, torch.where(has_posinf, FAULT_POSINF, empty.to(torch.int32) * FAULT_EMPTY))
+    return logits, fault.to(torch.int32)
 
 
 def filter_mask(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -68,19 +91,17 @@ def sample_tokens(
     any_top_p: bool = True,
     noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row. Returns (tokens int64 [B], bad bool [B]).
+    """Sample one token per row. Returns (tokens int64 [B], fault int32 [B]): 0 = ok, else
+    FAULT_NAN / FAULT_POSINF / FAULT_EMPTY (`faults`; callers needing a bool use fault != 0).
 
-    allowed: optional bool [V] mask of ids that may be sampled at all (e.g. codec ids + EOS).
+    allowed: optional bool [V] mask of ids that may be sampled at all (e.g. codec ids + EOS);
+    a -inf logit masks its id the same way.
     The rest are host-known shortcuts that never change a result: apply_filters=False when
     no row restricts top-k/top-p; key = frame_key(seed, frame_index) precomputed for the
     step; top_k_max (the largest top_k of the rows) with any_top_p=False lets top-k use
     topk instead of a sort; noise [B, V] precomputed for this codebook (gumbel_noise_codebooks).
     """
-    logits = logits.float()
-    bad = ~torch.isfinite(logits).all(dim=-1)
-    logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, NEG_INF)
+    logits, fault = row_faults(logits, allowed)
     greedy = temperature <= 0
     scores = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     if apply_filters:
@@ -93,4 +114,4 @@ def sample_tokens(
         key = frame_key(seed, frame_index) if key is None else key
         noise = gumbel_noise(codebook_key(key, codebook), logits.shape[-1])
     scores = torch.where(greedy[:, None], logits, scores + noise)
-    return torch.argmax(scores, dim=-1), bad
+    return torch.argmax(scores, dim=-1), fault

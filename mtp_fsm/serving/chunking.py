@@ -3,7 +3,7 @@ fixed chunks with left context, a final partial chunk on finish)."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable
 
 import attrs
@@ -16,6 +16,9 @@ from ..lifecycle import FinishReason
 # A request ended by the client or by an error gets no more audio: its pending frames
 # would be a truncated utterance nobody is waiting for.
 _DROP_REASONS = frozenset({FinishReason.ABORT, FinishReason.ERROR})
+
+# How many finished request ids a ChunkingSink remembers (to diagnose late frames / a second finish).
+DEFAULT_MAX_CLOSED = 10_000
 
 
 class FrameOrderError(MtpFsmError):
@@ -31,7 +34,9 @@ class AudioChunk:
     """Frames [start_frame, start_frame + len(frames)) of one request, plus up to
     left_context frames just before them for the vocoder's receptive field.
 
-    context_frames, frames: int64 [n, Q] owned tensors (n may be 0 for a final chunk).
+    context_frames, frames: int64 [n, Q] owned tensors. n is 0 only for a final chunk of a
+    request whose frames were all emitted already (or that had none, e.g. EOS at once): that
+    chunk only marks the end of the stream and carries no audio (has_audio is False).
     """
 
     request_id: str
@@ -44,6 +49,11 @@ class AudioChunk:
     @property
     def end_frame(self) -> int:
         return self.start_frame + int(self.frames.shape[0])
+
+    @property
+    def has_audio(self) -> bool:
+        """Whether the chunk carries frames (an empty final chunk is an end-of-stream marker)."""
+        return int(self.frames.shape[0]) > 0
 
 
 class _Stream:
@@ -61,7 +71,12 @@ class ChunkingSink:
     """A Sink that calls `downstream(chunk)` for each AudioChunk, in order per request.
 
     Observers (add_observer) see every chunk right after downstream did, e.g. to time
-    the first audio of each request.
+    the first audio of each request; an empty final chunk (has_audio False) is not audio.
+
+    Memory is bounded: a request's stream (pending frames, left context) is dropped when it
+    finishes (its final chunk emitted, or nothing more after an abort / error). Only the ids
+    of the `max_closed` most recently finished requests are remembered, to name a frame or
+    finish that arrives after the end and to drop frames still in flight after an abort.
     """
 
     def __init__(
@@ -72,6 +87,7 @@ class ChunkingSink:
         left_context: int = 25,
         *,
         num_codebooks: int | None = None,
+        max_closed: int = DEFAULT_MAX_CLOSED,
     ) -> None:
         if not isinstance(first_chunk, int) or first_chunk < 1:
             raise ValueError(f"first_chunk must be an int >= 1, got {first_chunk!r}")
@@ -79,11 +95,14 @@ class ChunkingSink:
             raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
         if not isinstance(left_context, int) or left_context < 0:
             raise ValueError(f"left_context must be an int >= 0, got {left_context!r}")
+        if type(max_closed) is not int or max_closed < 0:
+            raise ValueError(f"max_closed must be an int >= 0, got {max_closed!r}")
         self.downstream = downstream
         self.first_chunk, self.chunk, self.left_context = first_chunk, chunk, left_context
         self.num_codebooks = num_codebooks
-        self._streams: dict[str, _Stream] = {}
-        self._closed: dict[str, FinishReason] = {}
+        self.max_closed = max_closed
+        self._streams: dict[str, _Stream] = {}  # requests with frames and no finish yet
+        self._closed: OrderedDict[str, FinishReason] = OrderedDict()  # recently finished, oldest first
         self._observers: list[Callable[[AudioChunk], None]] = []
 
     def add_observer(self, observer: Callable[[AudioChunk], None]) -> None:
@@ -113,11 +132,17 @@ class ChunkingSink:
             )
         stream = self._streams.pop(rid, None)
         self._closed[rid] = reason
+        while len(self._closed) > self.max_closed:
+            self._closed.popitem(last=False)
         if reason in _DROP_REASONS:
             return
         if stream is None:  # finished before its first frame (e.g. EOS at once)
             stream = _Stream(self.left_context, self.num_codebooks or 0)
         self._emit(rid, stream, is_final=True)
+
+    def retained(self) -> dict[str, int]:
+        """How many entries are held now: open streams, remembered finished ids."""
+        return {"streams": len(self._streams), "closed": len(self._closed)}
 
     def _stream_for(self, rid: str, index: int, num_codebooks: int) -> _Stream | None:
         stream = self._streams.get(rid)

@@ -13,13 +13,16 @@ _COLORS = {
 
 
 def plot_states(metrics: ServingMetrics, path: str | os.PathLike, title: str = "requests by state") -> None:
-    """Stacked area of requests in each state after every step (finished is cumulative)."""
+    """Stacked area of requests in each state after every retained step (the metrics keep the
+    last `max_steps` steps; finished is cumulative over the whole run)."""
     # Figure + Agg canvas directly: no pyplot, so no global backend switch and no GUI.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     history = metrics.state_history()
     steps = [s.step for s in metrics.steps]
+    if len(steps) < metrics.num_steps:
+        title = f"{title} (last {len(steps)} of {metrics.num_steps} steps)"
     fig = Figure(figsize=(10, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)

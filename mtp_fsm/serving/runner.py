@@ -20,7 +20,11 @@ class ServingLoop:
     A request the engine or the model refuses (bad fields, unusable inputs, a prompt
     that does not fit) is rejected alone: it is reported finished with reason `error`
     to sinks and metrics (the message is kept in metrics), and nothing else accepted
-    is lost. Request ids must be unique for the loop's lifetime.
+    is lost.
+
+    Request ids must be unique among the requests in flight and those the metrics still
+    retain (the last `metrics.max_finished` finished ones): retention is bounded, so a
+    long-running loop does not remember every id it ever served.
     """
 
     def __init__(
@@ -28,17 +32,18 @@ class ServingLoop:
         engine: LockstepEngine,
         sinks: Iterable[Sink] = (),
         clock: Callable[[], float] = time.perf_counter,
+        metrics: ServingMetrics | None = None,
     ) -> None:
         self.engine, self.clock = engine, clock
         compiled = engine.compiled
         self._terminal = frozenset(s.label for s in compiled.states_in(CLASS_TERMINAL))
         self._queued = frozenset(s.label for s in compiled.states_in(CLASS_VACANT))  # admitted by no plan yet
         self.sinks = tuple(sinks)
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics() if metrics is None else metrics
         for sink in self.sinks:
             add_observer = getattr(sink, "add_observer", None)  # a ChunkingSink: time the first audio chunk
             if add_observer is not None:
-                add_observer(lambda chunk: self.metrics.on_chunk(chunk.request_id, self.clock()))
+                add_observer(self._on_chunk)
 
     # -- client side ---------------------------------------------------------------------
 
@@ -64,6 +69,11 @@ class ServingLoop:
         if outcome == "dropped":
             self._finish(self.engine.step_count, FinishedRequest(request_id, FinishReason.ABORT, 0))
         return outcome
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt a running request at the next step (it resumes when a slot is free and
+        produces the same frames); False when it is not running (queued, ended, unknown)."""
+        return self.engine.preempt(request_id)
 
     # -- stepping ------------------------------------------------------------------------
 
@@ -115,9 +125,15 @@ class ServingLoop:
         self._finish(self.engine.step_count, FinishedRequest(request_id, FinishReason.ERROR, 0, str(error)))
 
     def _finish(self, step: int, finished: FinishedRequest) -> None:
-        self.metrics.on_finished(finished.request_id, finished.reason, self.clock(), finished.detail or None)
+        # Sinks first: a final chunk they emit (maybe the request's first audio) is timed
+        # while the request is still in flight, never after its finish.
         for sink in self.sinks:
             sink.on_finished(step, finished)
+        self.metrics.on_finished(finished.request_id, finished.reason, self.clock(), finished.detail or None)
+
+    def _on_chunk(self, chunk) -> None:
+        if chunk.has_audio:  # an empty final chunk marks the end of a stream: it is not audio
+            self.metrics.on_chunk(chunk.request_id, self.clock(), len(chunk.frames))
 
     def _state_counts(self) -> dict[str, int]:
         counts = {"queued": 0, "finished": self.metrics.num_finished}

@@ -47,6 +47,9 @@ class SlotTable:
     mtp_top_k: torch.Tensor
     mtp_top_p: torch.Tensor
     error: torch.Tensor  # int32 [R], sticky ERR_* bits
+    # int32 [R], the sampling fault that ended the request (0 = none): kind | codebook << 4
+    # (sampling.faults; codebook 0 = CB0), written once, by the stage whose phase ended it.
+    fault: torch.Tensor
     prompt_embeds: torch.Tensor  # [R, C, H] prompt (and replayed frame) input embeddings
     extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
     extra_fill: dict[str, float] = attrs.field(factory=dict)  # a fresh row's value per model column
@@ -75,7 +78,7 @@ class SlotTable:
             frame_embed=col((h,), spec.dtype), frame_codes=col((q,)), frame_log=col((c, q)), seed=col(),
             cb0_temperature=col(dtype=torch.float32), cb0_top_k=col(), cb0_top_p=col(dtype=torch.float32),
             mtp_temperature=col(dtype=torch.float32), mtp_top_k=col(), mtp_top_p=col(dtype=torch.float32),
-            error=col(dtype=torch.int32), prompt_embeds=col((c, h), spec.dtype),
+            error=col(dtype=torch.int32), fault=col(dtype=torch.int32), prompt_embeds=col((c, h), spec.dtype),
         )
         for name, cs in (extra_columns or {}).items():
             if name in table.columns():

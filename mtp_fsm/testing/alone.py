@@ -54,6 +54,13 @@ class AloneRun:
     frames: tuple[tuple[int, ...], ...]
     reason: FinishReason
     error_kind: str | None  # "cb0" (non-finite backbone logits) or "mtp" when reason is ERROR
+    detail: str = ""  # the finish detail of an ERROR ending (which codebook, what value)
+
+
+def _faulty(logits: torch.Tensor) -> bool:
+    """NaN or +inf anywhere (-inf is a mask, not a fault)."""
+    logits = logits.float()
+    return bool(torch.isnan(logits).any() or (logits == float("inf")).any())
 
 
 def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwargs) -> AloneRun:
@@ -65,14 +72,14 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
 
     def probe_cb0(hidden):  # which stage saw the non-finite row (one row: no ambiguity)
         logits = cb0_logits(hidden)
-        bad["cb0"] = not bool(torch.isfinite(logits).all())
+        bad["cb0"] = _faulty(logits)
         return logits
 
     def probe_mtp(hidden, cb0, sample):
         bad["mtp"] = False
 
         def probed(logits, codebook):
-            bad["mtp"] |= not bool(torch.isfinite(logits).all())
+            bad["mtp"] |= _faulty(logits)
             return sample(logits, codebook)
 
         return mtp(hidden, cb0, probed)
@@ -88,7 +95,7 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
     assert indices == list(range(len(indices))), f"alone run published frames {indices}"
     done = result.finished
     kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
-    run = AloneRun(tuple(tuple(int(c) for c in f.codes) for f in result.frames), done.reason, kind)
+    run = AloneRun(tuple(tuple(int(c) for c in f.codes) for f in result.frames), done.reason, kind, done.detail)
     if isinstance(definition.inputs, ScriptInputs):
         check_script(definition.inputs, run, model.spec.has_mtp)
     return run

@@ -8,7 +8,7 @@ from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, Stat
 from ..lifecycle import length_reached, prompt_done
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel
-from ..sampling import SamplingParams
+from ..sampling import FAULT_EMPTY, FAULT_NAN, FAULT_OK, FAULT_POSINF, SamplingParams, describe_fault, fault_word
 from ..sampling.noise import gumbel_noise, row_key
 from ..sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables
 from .alone import AloneRun, RequestDef
@@ -56,21 +56,26 @@ def kept_ids(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def sample_row(
     logits: torch.Tensor, params: SamplingParams, seed: int, frame_index: int, codebook: int,
     allowed: torch.Tensor | None = None,
-) -> tuple[int, bool]:
-    """(token, non-finite) for one 1-D logits row under one request's parameters."""
+) -> tuple[int, int]:
+    """(token, fault kind) for one 1-D logits row under one request's parameters.
+
+    -inf masks an id; NaN, then +inf, then "nothing left unmasked" are the faults (codes of
+    sampling.faults). A faulty row still yields a token: NaN / +inf read as 0."""
     x = logits.float()
-    bad = not bool(torch.isfinite(x).all())
-    x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # a bad row still yields some token
+    nan, posinf = bool(torch.isnan(x).any()), bool((x == float("inf")).any())
+    x = torch.where(torch.isnan(x) | (x == float("inf")), torch.zeros_like(x), x)
     if allowed is not None:
         x = x.masked_fill(~allowed, NEG_INF)
+    empty = not bool((x > NEG_INF).any())
+    fault = FAULT_NAN if nan else FAULT_POSINF if posinf else FAULT_EMPTY if empty else FAULT_OK
     temperature = torch.tensor(params.temperature, dtype=torch.float32)
     if temperature <= 0:
-        return int(torch.argmax(x)), bad  # greedy ignores top-k / top-p and the noise
+        return int(torch.argmax(x)), fault  # greedy ignores top-k / top-p and the noise
     scores = x / temperature
     scores = scores.masked_fill(~kept_ids(scores, params.top_k, params.top_p), NEG_INF)
     key = row_key(torch.tensor([seed], dtype=torch.int64), torch.tensor([frame_index]), codebook)
     noise = gumbel_noise(key, x.shape[0])[0]
-    return int(torch.argmax(scores + noise)), bad  # argmax: ties to the lowest id
+    return int(torch.argmax(scores + noise)), fault  # argmax: ties to the lowest id
 
 
 # -- the lifecycle walk ---------------------------------------------------------------------
@@ -85,13 +90,19 @@ class _Walk:
         self.fsm: RequestFSM = self.oracle.new("interpreted")
         self.oracle.fire(self.fsm, Trigger.ADMIT)
         self.reason, self.error_kind = FinishReason.NONE, None
+        self.fault = 0  # the first fault word a phase that recorded a reason saw
+
+    @property
+    def detail(self) -> str:
+        return describe_fault(self.fault) if self.reason is FinishReason.ERROR else ""
 
     @property
     def state(self) -> State:
         return self.fsm.code
 
-    def phase(self, phase: Phase, facts_for) -> list[Transition]:
-        """Oracle.run_phase_edges; facts_for(edges fired so far) gives each stage's predicates.
+    def phase(self, phase: Phase, facts_for, fault: int = 0) -> list[Transition]:
+        """Oracle.run_phase_edges; facts_for(edges fired so far) gives each stage's predicates;
+        `fault`: the phase's sampling fault word, kept if the phase records a reason.
         Returns the fired edges' declarations, looked up by (trigger, source state)."""
         def declared(edges) -> list[Transition]:
             return [self.spec.transition(trigger, source) for trigger, source in edges]
@@ -103,6 +114,7 @@ class _Walk:
                 kinds = [_ERROR_KINDS[p] for p in when if p in _ERROR_KINDS]
                 self.reason = edge.reason
                 self.error_kind = kinds[0] if edge.reason is FinishReason.ERROR and kinds else None
+                self.fault = self.fault or fault
         return fired
 
 
@@ -153,29 +165,32 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         positions = torch.arange(computed, computed + scheduled, device=device)
         hidden = model.forward(inputs, positions, torch.zeros(scheduled, dtype=torch.int64, device=device))[-1:]
         logits = model.cb0_logits(hidden)[0]
-        cb0, cb0_bad = sample_row(logits, d.cb0, d.seed, len(frames), 0, allowed)
+        cb0, cb0_fault = sample_row(logits, d.cb0, d.seed, len(frames), 0, allowed)
         sample_facts = {
             Predicate.PROMPT_DONE: prompt_done(computed, scheduled, prompt_len),
-            Predicate.CB0_NONFINITE: cb0_bad,
+            Predicate.CB0_NONFINITE: cb0_fault != FAULT_OK,
             Predicate.EOS_SAMPLED: spec.eos_token_id is not None and cb0 == spec.eos_token_id,
         }
         computed += scheduled
-        walk.phase(Phase.SAMPLE, lambda fired: sample_facts)
+        walk.phase(Phase.SAMPLE, lambda fired: sample_facts, fault_word(cb0_fault, 0))
 
         codes = torch.tensor([[cb0]], dtype=torch.int64, device=device)
         if walk.state in life.classes.in_step and has_mtp_stage:
-            mtp_bad = [False]
+            mtp_faults: dict[int, int] = {}  # codebook -> fault kind of its bad row
 
             def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
                 tokens = []
                 for row in logits:
-                    token, bad = sample_row(row, d.mtp, d.seed, len(frames), codebook)
-                    mtp_bad[0] |= bad
+                    token, kind = sample_row(row, d.mtp, d.seed, len(frames), codebook)
+                    if kind != FAULT_OK:
+                        mtp_faults.setdefault(codebook, kind)
                     tokens.append(token)
                 return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
 
             codes = model.mtp(hidden, codes[:, 0].clamp(0, spec.codebook_size - 1), sample)
-            walk.phase(Phase.MTP, lambda fired: {Predicate.MTP_NONFINITE: mtp_bad[0]})
+            first = min(mtp_faults, default=None)  # the lowest bad codebook names the fault
+            word = 0 if first is None else fault_word(mtp_faults[first], first)
+            walk.phase(Phase.MTP, lambda fired: {Predicate.MTP_NONFINITE: bool(mtp_faults)}, word)
 
         def publish_facts(fired: list[Transition]) -> dict[Predicate, bool]:
             # A frame counts toward the budget once a publishing edge of this phase fired.
@@ -188,6 +203,6 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         if walk.state in life.classes.in_step:
             raise AssertionError(f"spec {life.name!r} left the request resting in {walk.state.label}")
         if walk.state in life.classes.terminal:
-            return AloneRun(tuple(frames), walk.reason, walk.error_kind)
+            return AloneRun(tuple(frames), walk.reason, walk.error_kind, walk.detail)
     raise AssertionError(f"interpreted request {d} never finished")
 

@@ -283,6 +283,10 @@ def _logits(g, rows, vocab, dtype):
             x[r, int(_ints(g, 0, vocab, 1))] = float("nan")
         elif u < 0.12:
             x[r, int(_ints(g, 0, vocab, 1))] = float("inf")
+        elif u < 0.3:  # -inf masks ids (not a fault)
+            x[r, torch.rand(vocab, generator=g) < 0.5] = float("-inf")
+        elif u < 0.34:  # nothing left to sample (a fault)
+            x[r] = float("-inf")
     return x.to(dtype).to(DEVICE)
 
 
@@ -314,13 +318,21 @@ def test_mtp_sampler(seed, logit_dtype, rows, filters, vocab):
     ref, tri = both(seed, torch.float32)
     batch = make_batch(seed, ref, rows, filters=(False, filters))
     g = torch.Generator().manual_seed(seed + 5)
-    s_ref, bad_ref = REF.mtp_sampler(ref, batch)
-    s_tri, bad_tri = TK.mtp_sampler(tri, batch)
-    for codebook in range(1, Q + 1):
+    s_ref, fault_ref = REF.mtp_sampler(ref, batch)
+    s_tri, fault_tri = TK.mtp_sampler(tri, batch)
+    codebooks = list(range(1, Q + 1))
+    codebooks = codebooks[::-1] if seed % 2 else codebooks  # the lowest bad codebook wins in any order
+    for codebook in codebooks:
         logits = _logits(g, rows, vocab, logit_dtype)
         assert_same(s_ref(logits, codebook), s_tri(logits, codebook), f"codebook {codebook}")
-    assert_same(bad_ref, bad_tri, "mtp bad")
+    assert_same(fault_ref, fault_tri, "mtp fault words")
     assert_tables(ref, tri)
+
+
+def _fault_words(g, rows, p):
+    """Per-row MTP fault words (kind | codebook << 4), a fraction p of them non-zero."""
+    kinds = _ints(g, 1, 4, rows).to(torch.int32) | (_ints(g, 1, Q + 1, rows).to(torch.int32) << 4)
+    return torch.where(torch.rand(rows, generator=g) < p, kinds, 0).to(torch.int32).to(DEVICE)
 
 
 @FAST
@@ -329,10 +341,10 @@ def test_mtp_scatter(seed, dtype, rows, life):
     ref, tri = both(seed, dtype, live_bias=(4, 4, 5))
     batch = make_batch(seed, ref, rows)
     g = torch.Generator().manual_seed(seed + 6)
-    bad = (torch.rand(rows, generator=g) < 0.3).to(DEVICE)
+    faults = _fault_words(g, rows, 0.3)
     lc = LIFECYCLES[life]
-    REF.mtp_scatter(ref, lc, batch, bad)
-    TK.mtp_scatter(tri, lc, batch, bad)
+    REF.mtp_scatter(ref, lc, batch, faults)
+    TK.mtp_scatter(tri, lc, batch, faults)
     assert_tables(ref, tri)
 
 
@@ -397,9 +409,9 @@ def test_chain_executor_on_random_rules(seed, rows, eos_hot):
     for table, k in ((ref, REF), (tri, TK)):
         k.sample_cb0(table, lc, batch, logits, eos_token_id=EOS, allowed=None)
     assert_tables(ref, tri)
-    bad = (torch.rand(rows, generator=g) < 0.4).to(DEVICE)
-    REF.mtp_scatter(ref, lc, batch, bad)
-    TK.mtp_scatter(tri, lc, batch, bad)
+    faults = _fault_words(g, rows, 0.4)
+    REF.mtp_scatter(ref, lc, batch, faults)
+    TK.mtp_scatter(tri, lc, batch, faults)
     assert_tables(ref, tri)
     codes = _ints(g, 0, 30, rows, Q).to(DEVICE)
     embeds = _rand(g, rows, H, scale=3.0).to(DEVICE)

@@ -20,11 +20,14 @@ def request(rid: str, prompt_len: int = 5, *, eos_at: int | None = None, max_fra
     return NewRequest(rid, ScriptInputs(prompt=prompt, eos_at=eos_at), max_frames=max_frames, seed=seed, **kwargs)
 
 
-def loop(max_slots=4, token_budget=64, prefill_chunk=8, preempt_after_steps=None, sinks=None, clock=None):
+def loop(max_slots=4, token_budget=64, prefill_chunk=8, preempt_after_steps=None, sinks=None, clock=None,
+         metrics=None):
     eng = engine(max_slots, token_budget=token_budget, prefill_chunk=prefill_chunk,
                  preempt_after_steps=preempt_after_steps)
     sink = InMemorySink()
     kwargs = {} if clock is None else {"clock": clock}
+    if metrics is not None:
+        kwargs["metrics"] = metrics
     return ServingLoop(eng, sinks=(sink, *(sinks or ())), **kwargs), sink
 
 

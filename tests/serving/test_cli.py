@@ -103,3 +103,113 @@ def test_demo_rejects_bad_settings_with_a_message_not_a_traceback(capsys):
     assert exc.value.code == 2 and "--max-slots: must be an integer >= 1" in capsys.readouterr().err
     assert main(["demo", "--model", "no_such_package:factory", "--no-progress"]) == 2
     assert "cannot import 'no_such_package'" in capsys.readouterr().err
+
+
+def _one_error_line(err: str, command: str, *fragments: str) -> None:
+    """A user error: exactly one line on stderr, argparse-style, no traceback."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"mtp-fsm {command}: error: "), err
+    assert "Traceback" not in err and all(f in lines[0] for f in fragments), err
+
+
+def test_demo_out_that_is_a_file_or_under_a_file_is_a_user_error(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    base = ["demo", "--requests", "1", "--max-frames", "2", "--model", SCRIPTED_MODEL, "--no-progress"]
+    assert cli.main([*base, "--out", str(afile)]) == 2
+    _one_error_line(capsys.readouterr().err, "demo", "exists and is not a folder")
+    assert cli.main([*base, "--out", str(afile / "sub")]) == 2
+    _one_error_line(capsys.readouterr().err, "demo", "cannot create output folder")
+    assert cli.main([*base, "--out", ""]) == 2
+    _one_error_line(capsys.readouterr().err, "demo", "empty path")
+    assert afile.read_text() == "not a folder"
+
+
+def test_demo_write_failure_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
+    import mtp_fsm.serving.plots as plots
+
+    def denied(metrics, path, title=""):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(plots, "plot_states", denied)
+    rc = cli.main(["demo", "--requests", "1", "--max-frames", "2", "--model", SCRIPTED_MODEL, "--no-progress",
+                   "--out", str(tmp_path / "o")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    banner, rest = err.split("\n", 1)  # the run had started: its banner line, then the error
+    assert banner.startswith("mtp-fsm demo: scripted")
+    _one_error_line(rest, "demo", "Permission denied", "states.png")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "-1"], "argument --threads: must be an integer >= 0"),
+    (["--seed", str(2**64)], "argument --seed: must be a 64-bit integer"),
+    (["--seed", "x"], "argument --seed: must be a 64-bit integer"),
+    (["--requests", "0"], "argument --requests: must be an integer >= 1"),
+    (["--max-frames", "1.5"], "argument --max-frames: must be an integer >= 1"),
+    (["--kernels", "cuda"], "argument --kernels: invalid choice"),
+])
+def test_demo_bad_option_values_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_demo_seed_overflow_and_a_raising_factory_are_user_errors(tmp_path, capsys):
+    assert cli.main(["demo", "--seed", str(2**63 - 1), "--requests", "2", "--out", str(tmp_path / "o")]) == 2
+    _one_error_line(capsys.readouterr().err, "demo", "overflows a 64-bit seed")
+    assert cli.main(["demo", "--model", "os:getcwd", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    _one_error_line(capsys.readouterr().err, "demo", "'os:getcwd'", "factory raised TypeError")
+
+
+def test_diagrams_outside_the_repo(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # No README.md here: the diagrams are written, no README is touched.
+    assert cli.main(["diagrams", "--out", "d"]) == 0
+    assert (tmp_path / "d" / "mtp.mmd").exists() and "no README updated" in capsys.readouterr().out
+    # A README without the block (someone else's project) is left alone by default ...
+    (tmp_path / "README.md").write_text("# other project\n")
+    assert cli.main(["diagrams", "--out", "d"]) == 0
+    assert (tmp_path / "README.md").read_text() == "# other project\n"
+    capsys.readouterr()
+    # ... and named explicitly it is an error, before anything is written.
+    assert cli.main(["diagrams", "--out", "d2", "--readme", "README.md"]) == 2
+    _one_error_line(capsys.readouterr().err, "diagrams", "no lifecycle-diagram block")
+    assert not (tmp_path / "d2").exists()
+    assert cli.main(["diagrams", "--out", "d2", "--readme", "missing.md"]) == 2
+    _one_error_line(capsys.readouterr().err, "diagrams", "'missing.md' does not exist")
+
+
+def test_diagrams_unwritable_target_is_a_user_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["diagrams", "--out", "afile"]) == 2
+    _one_error_line(capsys.readouterr().err, "diagrams", "exists and is not a folder")
+    assert cli.main(["diagrams", "--out", "afile/sub"]) == 2
+    _one_error_line(capsys.readouterr().err, "diagrams", "cannot write", "afile/sub")
+    import mtp_fsm.lifecycle.diagrams as diagrams
+
+    def denied(out_dir, svg=None):  # a folder without write access (the tests may run as root)
+        raise PermissionError(13, "Permission denied", str(out_dir / "mtp.dot"))
+
+    monkeypatch.setattr(diagrams, "render_all", denied)
+    assert cli.main(["diagrams", "--out", "ro"]) == 2
+    _one_error_line(capsys.readouterr().err, "diagrams", "Permission denied", "mtp.dot")
+
+
+def test_bench_bad_threads_or_out_dir_fail_before_benchmarking(tmp_path, capsys, monkeypatch):
+    calls = []
+    fake = types.ModuleType("mtp_fsm.bench")
+    fake.main = lambda argv: calls.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "mtp_fsm.bench", fake)
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["bench", "--threads", "-1"]) == 2
+    _one_error_line(capsys.readouterr().err, "bench", "--threads: must be an integer >= 0")
+    assert cli.main(["bench", f"--out-dir={tmp_path / 'afile'}"]) == 2
+    _one_error_line(capsys.readouterr().err, "bench", "exists and is not a folder")
+    assert cli.main(["bench", "--out-dir", str(tmp_path / "afile" / "x")]) == 2
+    _one_error_line(capsys.readouterr().err, "bench", "is not a folder")
+    assert calls == []
+    assert cli.main(["bench", "--out-dir", str(tmp_path / "new" / "dir"), "--threads", "0"]) == 0
+    assert not (tmp_path / "new").exists()  # checked, not created: the bench creates it when it writes

@@ -93,7 +93,10 @@ def test_metrics_summary_and_state_history():
         rm = m.requests[rid]
         assert rm.first_frame_ms > 0 and rm.num_frames == len(sink.frames[rid])
         assert rm.first_chunk_ms >= rm.first_frame_ms
-    assert m.requests["r4"].first_frame_time is None and m.requests["r4"].first_chunk_time is not None  # empty final
+    # EOS first: an empty final chunk reaches the vocoder as the end of the stream, but it is no audio
+    assert m.requests["r4"].first_frame_time is None and m.requests["r4"].first_chunk_time is None
+    (empty,) = [c for c in chunks if c.request_id == "r4"]
+    assert empty.is_final and not empty.has_audio
     assert summary.first_frame_ms_p50 <= summary.first_frame_ms_p95
     assert summary.first_chunk_ms_p50 is not None
     history = m.state_history()
