@@ -39,7 +39,7 @@ def test_an_in_step_edge_without_a_guard_is_refused():
 
 
 def test_a_stage_that_could_fire_two_triggers_on_one_row_is_refused():
-    # `sample` without `!cb0_nonfinite` overlaps `fail [cb0_nonfinite]` from decoding.
+    # `sample` without `!cb0_fault` overlaps `fail [cb0_fault]` from decoding.
     spec = mtp_lifecycle().with_edge(Trigger.SAMPLE, State.DECODING, guard=ALWAYS)
     refused(spec, "stage 'intake' can fire both sample", "fail", "decoding", "not exclusive")
 
@@ -50,13 +50,13 @@ def test_an_unknown_predicate_is_refused():
 
 
 def test_a_predicate_read_outside_its_phase_is_refused():
-    spec = mtp_lifecycle().with_edge(Trigger.MTP, State.SAMPLED, guard=Guard(unless=("cb0_nonfinite",)))
-    refused(spec, "mtp from sampled", "cb0_nonfinite", "phase sample", "stage 'mtp' runs in phase mtp")
+    spec = mtp_lifecycle().with_edge(Trigger.MTP, State.SAMPLED, guard=Guard(unless=("cb0_fault",)))
+    refused(spec, "mtp from sampled", "cb0_fault", "phase sample", "stage 'mtp' runs in phase mtp")
 
 
 def test_a_total_stage_with_a_gap_is_refused():
-    spec = mtp_lifecycle().with_edge(Trigger.FAIL, State.DECODING, guard=Guard(when=("cb0_nonfinite", "eos_sampled")))
-    refused(spec, "total stage 'intake' leaves a row in state decoding unmoved", "cb0_nonfinite=True")
+    spec = mtp_lifecycle().with_edge(Trigger.FAIL, State.DECODING, guard=Guard(when=("cb0_fault", "eos_sampled")))
+    refused(spec, "total stage 'intake' leaves a row in state decoding unmoved", "cb0_fault=True")
 
 
 def test_a_row_that_could_end_the_step_mid_step_is_refused():
@@ -131,7 +131,7 @@ def test_rows_that_are_not_owned_never_move():
 def test_diagrams_show_the_guards_on_the_edges():
     text = mermaid_source(mtp_lifecycle())
     for edge in ("sampled --> finished: eos [eos_sampled]", "decoding --> finished: finish_length [length_reached]",
-                 "sampled --> frame_ready: mtp [!mtp_nonfinite]", "prefilling --> prefilling: prefill [!prompt_done]"):
+                 "sampled --> frame_ready: mtp [!mtp_fault]", "prefilling --> prefilling: prefill [!prompt_done]"):
         assert edge in text, edge
 
 

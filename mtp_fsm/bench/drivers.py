@@ -155,7 +155,7 @@ class _PerRequestDriver:
             computed = self.computed(rid)
             self.set_computed(rid, computed + n)
             facts = {Predicate.PROMPT_DONE: prompt_done(computed, n, self.prompt_len(rid)),
-                     Predicate.CB0_NONFINITE: bad, Predicate.EOS_SAMPLED: token == eos}
+                     Predicate.CB0_FAULT: bad, Predicate.EOS_SAMPLED: token == eos}
             self.run_phase(rid, Phase.SAMPLE, lambda _: facts)
 
         if self.spec.has_mtp:
@@ -170,7 +170,7 @@ class _PerRequestDriver:
 
             codes = self.model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
             for rid, bad in zip(rows, mtp_bad.tolist()):
-                self.run_phase(rid, Phase.MTP, lambda _: {Predicate.MTP_NONFINITE: bad})
+                self.run_phase(rid, Phase.MTP, lambda _: {Predicate.MTP_FAULT: bad})
         else:
             codes = cb0[:, None]  # single codebook: CB0 is the whole frame, no MTP stages
         embeds = self.model.frame_embed(codes)

@@ -37,7 +37,7 @@ class RowSampler:
     """Samples one request's token from its own logits row [V] with torch ops.
 
     The lean per-request code a serving loop would write (top-k via `topk`, no top-p pass,
-    no non-finite check), yet bit-identical to the engine's batched `sample_tokens` for
+    no fault check), yet bit-identical to the engine's batched `sample_tokens` for
     top_p = 1: scores = logits / T, keep scores >= the k-th largest, argmax(scores + gumbel)
     with the same counter-based noise table; greedy at T = 0.
     """

@@ -184,7 +184,7 @@ def sample_cb0(
     )
     bad = fault != 0
     eos = tokens == eos_token_id if eos_token_id is not None else torch.zeros_like(bad)
-    facts = {Predicate.PROMPT_DONE: computed >= table.prompt_len[slot], Predicate.CB0_NONFINITE: bad,
+    facts = {Predicate.PROMPT_DONE: computed >= table.prompt_len[slot], Predicate.CB0_FAULT: bad,
              Predicate.EOS_SAMPLED: eos}
     result = run_phase(lc, Phase.SAMPLE, state, owned, lambda _: facts)
     table.num_computed[slot] = computed
@@ -232,7 +232,7 @@ def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_fau
     mtp_faults: the fault words of `mtp_sampler` (int32 [B], 0 = ok)."""
     slot = batch.idx_mapping
     owned = _owned(table, batch)
-    facts = {Predicate.MTP_NONFINITE: mtp_faults != 0}
+    facts = {Predicate.MTP_FAULT: mtp_faults != 0}
     result = run_phase(lc, Phase.MTP, table.state[slot], owned, lambda _: facts)
     _record(table, slot, result)
     _record_fault(table, slot, owned, result, mtp_faults)

@@ -39,9 +39,9 @@ C_VACANT = tl.constexpr(CLASS_VACANT)
 
 # Bit positions of the per-row predicate word.
 B_PROMPT_DONE = tl.constexpr(int(Predicate.PROMPT_DONE))
-B_CB0_NONFINITE = tl.constexpr(int(Predicate.CB0_NONFINITE))
+B_CB0_FAULT = tl.constexpr(int(Predicate.CB0_FAULT))
 B_EOS_SAMPLED = tl.constexpr(int(Predicate.EOS_SAMPLED))
-B_MTP_NONFINITE = tl.constexpr(int(Predicate.MTP_NONFINITE))
+B_MTP_FAULT = tl.constexpr(int(Predicate.MTP_FAULT))
 B_LENGTH_REACHED = tl.constexpr(int(Predicate.LENGTH_REACHED))
 
 E_IDENTITY = tl.constexpr(ERR_IDENTITY)

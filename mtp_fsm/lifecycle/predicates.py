@@ -28,9 +28,9 @@ class Predicate(enum.IntEnum):
     """
 
     PROMPT_DONE = 0  # this step's tokens complete the prompt: num_computed + scheduled >= prompt_len
-    CB0_NONFINITE = 1  # the row's CB0 logits hold a NaN or an infinity
+    CB0_FAULT = 1  # the row's CB0 sample faulted: a NaN or +inf logit, or no id left unmasked (sampling.faults)
     EOS_SAMPLED = 2  # the sampled CB0 is the codec EOS
-    MTP_NONFINITE = 3  # some MTP logits of the row hold a NaN or an infinity
+    MTP_FAULT = 3  # one of the row's MTP samples faulted (as CB0_FAULT)
     LENGTH_REACHED = 4  # frames published >= max_frames, or the context has no position left
 
     @property
@@ -45,9 +45,9 @@ class Predicate(enum.IntEnum):
 # Where each predicate is known: a stage may only read predicates of its own phase.
 PREDICATE_PHASE: dict[Predicate, Phase] = {
     Predicate.PROMPT_DONE: Phase.SAMPLE,
-    Predicate.CB0_NONFINITE: Phase.SAMPLE,
+    Predicate.CB0_FAULT: Phase.SAMPLE,
     Predicate.EOS_SAMPLED: Phase.SAMPLE,
-    Predicate.MTP_NONFINITE: Phase.MTP,
+    Predicate.MTP_FAULT: Phase.MTP,
     Predicate.LENGTH_REACHED: Phase.PUBLISH,
 }
 

@@ -43,8 +43,8 @@ class Trigger(enum.IntEnum):
     RESUME = 9
     ABORT = 10  # host: client cancel, or a model exception ending the step's requests
     RELEASE = 11
-    FAIL = 12  # intake: non-finite CB0 logits end the request with reason error
-    MTP_FAIL = 13  # MTP stage: non-finite MTP logits end the request with reason error
+    FAIL = 12  # intake: a faulty CB0 sample (NaN / +inf logit, nothing unmasked) ends the request with reason error
+    MTP_FAIL = 13  # MTP stage: a faulty MTP sample ends the request with reason error
 
     @property
     def label(self) -> str:

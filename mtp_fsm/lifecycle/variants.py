@@ -32,7 +32,7 @@ def _host_edges() -> list[Transition]:
 
 def _intake(kept: State) -> list[Transition]:
     """What a scheduled row does once the backbone ran and CB0 was sampled."""
-    done, bad = "prompt_done", "cb0_nonfinite"
+    done, bad = "prompt_done", "cb0_fault"
     return [
         Transition(_T.PREFILL, _IN_PROMPT, _S.PREFILLING, Guard(unless=(done,))),
         Transition(_T.SAMPLE, _IN_PROMPT, kept, Guard(when=(done,), unless=(bad,))),
@@ -64,8 +64,8 @@ def mtp_lifecycle() -> LifecycleSpec:
         *_host_edges(),
         *_intake(_S.SAMPLED),
         Transition(_T.EOS, (_S.SAMPLED,), _S.FINISHED, Guard(when=("eos_sampled",)), FinishReason.EOS),
-        Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY, Guard(unless=("mtp_nonfinite",))),
-        Transition(_T.MTP_FAIL, (_S.SAMPLED,), _S.ABORTED, Guard(when=("mtp_nonfinite",)), FinishReason.ERROR),
+        Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY, Guard(unless=("mtp_fault",))),
+        Transition(_T.MTP_FAIL, (_S.SAMPLED,), _S.ABORTED, Guard(when=("mtp_fault",)), FinishReason.ERROR),
         *_publication(),
     ]
     stages = (_INTAKE_STAGE, _EOS_STAGE, Stage("mtp", Phase.MTP, (_T.MTP, _T.MTP_FAIL)), *_PUBLISH_STAGES)

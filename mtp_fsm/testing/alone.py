@@ -53,7 +53,7 @@ class AloneRun:
 
     frames: tuple[tuple[int, ...], ...]
     reason: FinishReason
-    error_kind: str | None  # "cb0" (non-finite backbone logits) or "mtp" when reason is ERROR
+    error_kind: str | None  # "cb0" (a faulty CB0 sample) or "mtp" when reason is ERROR
     detail: str = ""  # the finish detail of an ERROR ending (which codebook, what value)
 
 
@@ -70,7 +70,7 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
     bad = {"cb0": False, "mtp": False}
     cb0_logits, mtp = model.cb0_logits, getattr(model, "mtp", None)
 
-    def probe_cb0(hidden):  # which stage saw the non-finite row (one row: no ambiguity)
+    def probe_cb0(hidden):  # which stage saw the faulty row (one row: no ambiguity)
         logits = cb0_logits(hidden)
         bad["cb0"] = _faulty(logits)
         return logits

@@ -14,8 +14,8 @@ from ..sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables
 from .alone import AloneRun, RequestDef
 
 NEG_INF = float("-inf")
-# The non-finite predicate an error edge requires says which model output ended the request.
-_ERROR_KINDS = {Predicate.CB0_NONFINITE: "cb0", Predicate.MTP_NONFINITE: "mtp"}
+# The fault predicate an error edge requires says which model output ended the request.
+_ERROR_KINDS = {Predicate.CB0_FAULT: "cb0", Predicate.MTP_FAULT: "mtp"}
 
 
 # -- the sampler: one row, written from the documented contract (sampler.py, topp.py) --------
@@ -168,7 +168,7 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         cb0, cb0_fault = sample_row(logits, d.cb0, d.seed, len(frames), 0, allowed)
         sample_facts = {
             Predicate.PROMPT_DONE: prompt_done(computed, scheduled, prompt_len),
-            Predicate.CB0_NONFINITE: cb0_fault != FAULT_OK,
+            Predicate.CB0_FAULT: cb0_fault != FAULT_OK,
             Predicate.EOS_SAMPLED: spec.eos_token_id is not None and cb0 == spec.eos_token_id,
         }
         computed += scheduled
@@ -190,7 +190,7 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
             codes = model.mtp(hidden, codes[:, 0].clamp(0, spec.codebook_size - 1), sample)
             first = min(mtp_faults, default=None)  # the lowest bad codebook names the fault
             word = 0 if first is None else fault_word(mtp_faults[first], first)
-            walk.phase(Phase.MTP, lambda fired: {Predicate.MTP_NONFINITE: bool(mtp_faults)}, word)
+            walk.phase(Phase.MTP, lambda fired: {Predicate.MTP_FAULT: bool(mtp_faults)}, word)
 
         def publish_facts(fired: list[Transition]) -> dict[Predicate, bool]:
             # A frame counts toward the budget once a publishing edge of this phase fired.

@@ -4,7 +4,7 @@
 (prompt length, positions computed, frames published, predicted slot). For each StepPlan it
 fires the plan's host triggers, then runs every scheduled row through the spec's stage
 chains (`Oracle.run_phase`, guards evaluated by `transitions`) with that row's predicates.
-What a kept sample is (a frame, the codec EOS, non-finite logits) comes from the same
+What a kept sample is (a frame, the codec EOS, a sampling fault) comes from the same
 request run alone by the reference interpreter (`ReferenceRuns`, cached per definition),
 so comparing the engine's outputs with the driver's expectations checks states,
 publication rules and request isolation at once.
@@ -131,10 +131,10 @@ class OracleDriver:
         for phase in Phase:
             def facts(stage, fired, phase=phase) -> dict[Predicate, bool]:
                 if phase is Phase.SAMPLE:
-                    return {Predicate.PROMPT_DONE: done, Predicate.CB0_NONFINITE: outcome.get("cb0", False),
+                    return {Predicate.PROMPT_DONE: done, Predicate.CB0_FAULT: outcome.get("cb0", False),
                             Predicate.EOS_SAMPLED: outcome.get("eos", False)}
                 if phase is Phase.MTP:
-                    return {Predicate.MTP_NONFINITE: outcome.get("mtp", False)}
+                    return {Predicate.MTP_FAULT: outcome.get("mtp", False)}
                 frames = r.num_frames + sum(self._publishes(e) for e in (*edges, *fired))  # counted once published
                 return {Predicate.LENGTH_REACHED: length_reached(
                     frames, r.request.max_frames, r.num_computed, self.spec.max_context)}
