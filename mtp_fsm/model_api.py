@@ -8,6 +8,8 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from .sampling.params import SamplingParams
+
 # A sampler the engine hands to the MTP hook: (logits [B, V], codebook index) -> tokens [B].
 # It applies each row's own MTP sampling parameters and counter-based noise, so the
 # model never sees seeds, generators or request ids.
@@ -35,15 +37,56 @@ class ModelSpec:
     eos_token_id: int | None  # codec EOS sampled as CB0 ends the request without a frame
     max_context: int  # positions per slot in the KV cache (prompt + frames)
     dtype: torch.dtype = torch.float32
+    # The lifecycle variant (mtp_fsm.lifecycle.VARIANTS); None: "mtp" or "single_codebook"
+    # from num_codebooks. "mtp_stop": the MTP hook returns MtpResult and its stop ends the
+    # request; "conditioned": the text step reads an external feed (feed_capacity > 0).
+    variant: str | None = None
+    # Sampling owned by the model, not the request (MOSS: fixed audio sampling): when set,
+    # it replaces every request's CB0 / MTP sampling parameters at admission (seeds stay).
+    cb0_sampling: SamplingParams | None = None
+    mtp_sampling: SamplingParams | None = None
+    # Conditioning feed (Qwen3-Omni thinker rows): rows [feed_capacity, hidden_size] per
+    # slot, appended over time with engine.feed(); see FEED_* columns below.
+    feed_capacity: int = 0
+    feed_width: int = 0  # width of one fed row (0: hidden_size); the model's text_step projects it
 
     @property
     def has_mtp(self) -> bool:
         return self.num_codebooks > 1
 
     @property
+    def has_feed(self) -> bool:
+        return self.feed_capacity > 0
+
+    @property
     def lifecycle(self) -> str:
         """Name of the lifecycle variant this model runs under (see mtp_fsm.lifecycle)."""
+        if self.variant is not None:
+            return self.variant
         return "mtp" if self.has_mtp else "single_codebook"
+
+
+# The engine-owned slot columns of a model with a conditioning feed (spec.feed_capacity > 0),
+# handed to text_step / forward with the model's own columns:
+FEED_ROWS = "feed_rows"  # [feed_capacity, feed_width] spec.dtype: the rows fed so far
+FEED_COUNT = "feed_count"  # int64 []: how many rows were fed
+FEED_DONE = "feed_done"  # int64 []: 1 once the feed is finished (no more rows will come)
+# The engine computes a decode row only when the conditioning row its text step reads
+# (index = the frame_index argument of text_step) exists: frame_index < feed_count, or the
+# feed is done (then the model supplies its own end-of-feed rows, e.g. tts_eos then tts_pad).
+# Otherwise the request waits in state `starved` until engine.feed() brings the row.
+
+
+@attrs.frozen
+class MtpResult:
+    """What an MTP hook returns when the MTP stage also decides the stop (variant
+    "mtp_stop", e.g. MOSS-TTS Local's local transformer: (continue, codes)).
+
+    codes: [B, Q] with codes[:, 0] == cb0; stop: bool [B], True where the request stops
+    here (that frame is not published; the request finishes with reason eos)."""
+
+    codes: torch.Tensor
+    stop: torch.Tensor
 
 
 @attrs.frozen
@@ -57,6 +100,22 @@ class PreparedPrompt:
 
     prompt_embeds: torch.Tensor
     columns: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    # A model with a conditioning feed: the rows already there at admission [n, feed_width]
+    # (more arrive through engine.feed), and whether the feed is already complete.
+    feed: torch.Tensor | None = None
+    feed_done: bool = False
+
+
+def feed_columns(spec: "ModelSpec") -> dict[str, "ColumnSpec"]:
+    """The engine-owned slot columns of a model with a conditioning feed (none without)."""
+    if not spec.has_feed:
+        return {}
+    width = spec.feed_width or spec.hidden_size
+    return {
+        FEED_ROWS: ColumnSpec((spec.feed_capacity, width), spec.dtype),
+        FEED_COUNT: ColumnSpec((), torch.int64),
+        FEED_DONE: ColumnSpec((), torch.int64),
+    }
 
 
 class TalkerModel(abc.ABC):
@@ -117,7 +176,8 @@ class TalkerModel(abc.ABC):
     ) -> torch.Tensor:
         """Predict the frame's codebooks 1..Q-1 from the sampling hidden state and CB0.
 
-        Returns codes [B, Q] with codes[:, 0] == cb0. Only called when spec.has_mtp.
+        Returns codes [B, Q] with codes[:, 0] == cb0 (or an MtpResult under the "mtp_stop"
+        variant). Only called when spec.has_mtp.
         """
         raise NotImplementedError(f"{self.spec.name} has no MTP stage")
 

@@ -10,12 +10,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from mtp_fsm.engine import LockstepEngine, Span, StepPlan
 from mtp_fsm.lifecycle import State
 from mtp_fsm.lifecycle.variants import CLASSES
-from mtp_fsm.testing.alone import scripted_mtp, scripted_single, torch_threads
+from mtp_fsm.testing.alone import scripted_conditioned, scripted_mtp, scripted_mtp_stop, scripted_single, torch_threads
 from mtp_fsm.testing.references import reference_runs
 from mtp_fsm.testing.oracle_driver import OracleDriver
 from mtp_fsm.testing.stateful import scripted_requests
 
-FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single}
+FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop,
+             "conditioned": scripted_conditioned}
 SPECS = {name: factory().spec for name, factory in FACTORIES.items()}
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -9,7 +9,7 @@ import torch
 
 from mtp_fsm.errors import LifecycleError
 from mtp_fsm.lifecycle import (
-    CLASS_IN_STEP, CLASS_LIVE, CLASS_TERMINAL, HOST_TRIGGERS, ILLEGAL, VARIANTS, LifecycleSpec, Oracle, RequestFSM,
+    CLASS_IN_STEP, Phase, CLASS_LIVE, CLASS_TERMINAL, HOST_TRIGGERS, ILLEGAL, VARIANTS, LifecycleSpec, Oracle, RequestFSM,
     State, Trigger, compile_lifecycle, lifecycle_for, mtp_lifecycle, single_codebook_lifecycle,
 )
 from mtp_fsm.lifecycle.compiled import RULE_DEST
@@ -17,7 +17,7 @@ from mtp_fsm.lifecycle.variants import CLASSES
 
 LIVE_STATES, TERMINAL_STATES = CLASSES.live, CLASSES.terminal
 
-SPECS = [mtp_lifecycle(), single_codebook_lifecycle()]
+SPECS = [f() for f in VARIANTS.values()]
 ids = [s.name for s in SPECS]
 
 
@@ -31,13 +31,14 @@ def declared(spec: LifecycleSpec) -> dict[tuple[Trigger, State], State]:
 
 
 def test_state_and_trigger_codes_are_stable():
-    assert [int(s) for s in State] == list(range(9))
-    assert [int(t) for t in Trigger] == list(range(14))
+    assert [int(s) for s in State] == list(range(10))
+    assert [int(t) for t in Trigger] == list(range(17))
     assert State.FREE == 0 and State.WAITING == 1 and State.FINISHED == 6 and State.PREEMPTED == 8
+    assert State.STARVED == 9 and Trigger.MTP_STOP == 14 and Trigger.STARVE == 15 and Trigger.FEED == 16
     assert State.SAMPLED.label == "sampled" and Trigger.FINISH_LENGTH.label == "finish_length"
 
 
-@pytest.mark.parametrize("spec", [mtp_lifecycle(), single_codebook_lifecycle()], ids=["mtp", "single"])
+@pytest.mark.parametrize("spec", [f() for f in VARIANTS.values()], ids=list(VARIANTS))
 def test_state_classes_compile_to_the_declared_sets(spec):
     compiled = compile_lifecycle(spec)
     assert compiled.states_in(CLASS_LIVE) == {State.WAITING, State.PREFILLING, State.DECODING}
@@ -124,9 +125,11 @@ def test_error_edges_are_declared_only_where_they_can_happen(spec):
     """Host aborts (live, preempted), a non-finite CB0 row (live, `fail`) and, with an MTP
     stage, a non-finite MTP row (sampled, `mtp_fail`): every drawn edge can happen."""
     d = declared(spec)
-    assert {s for (t, s) in d if t is Trigger.ABORT} == {*LIVE_STATES, State.PREEMPTED}
+    starved = {State.STARVED} if State.STARVED in spec.states else set()  # a conditioned request waiting for a row
+    assert {s for (t, s) in d if t is Trigger.ABORT} == {*LIVE_STATES, State.PREEMPTED, *starved}
     assert {s for (t, s) in d if t is Trigger.FAIL} == set(LIVE_STATES)
-    assert {s for (t, s) in d if t is Trigger.MTP_FAIL} == ({State.SAMPLED} if spec.name == "mtp" else set())
+    has_mtp = bool(spec.stages_of(Phase.MTP))
+    assert {s for (t, s) in d if t is Trigger.MTP_FAIL} == ({State.SAMPLED} if has_mtp else set())
 
 
 # Hazard: a tracker in a state the variant lacks (e.g. `sampled` without MTP) must give
@@ -148,9 +151,9 @@ def test_trigger_outside_the_variant_is_a_lifecycle_error():
 
 
 def test_lifecycle_for_and_variants():
-    assert set(VARIANTS) == {"mtp", "single_codebook"}
-    assert lifecycle_for("mtp").name == "mtp"
-    assert lifecycle_for("single_codebook").name == "single_codebook"
+    assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned"}
+    for name in VARIANTS:
+        assert lifecycle_for(name).name == name
     with pytest.raises(ValueError, match="unknown lifecycle variant 'higgs'"):
         lifecycle_for("higgs")
 

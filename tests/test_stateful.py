@@ -15,6 +15,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from mtp_fsm.lifecycle import compile_lifecycle, lifecycle_for
 from mtp_fsm.testing.alone import torch_threads
+from mtp_fsm.testing.alone import scripted_mtp_stop
 from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycle_test_case, scripted_mtp, scripted_single
 
 # Tuned so the whole file runs in well under 2 minutes on 2 cores.
@@ -22,8 +23,9 @@ CHECKS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 SETTINGS = {
     "mtp": settings(max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "single_codebook": settings(max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+    "mtp_stop": settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
 }
-FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single}
+FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop}
 
 _RUNS: dict[str, object] = {}
 
@@ -60,12 +62,12 @@ def run_machine(variant: str):
     return result
 
 
-@pytest.mark.parametrize("variant", ["mtp", "single_codebook"])
+@pytest.mark.parametrize("variant", list(FACTORIES))
 def test_lifecycle_machine(variant):
     run_machine(variant)
 
 
-@pytest.mark.parametrize("variant", ["mtp", "single_codebook"])
+@pytest.mark.parametrize("variant", list(FACTORIES))
 def test_every_declared_transition_fires(variant):
     """Every (trigger, source) pair of the variant's compiled table fired in the oracle at
     least once over the machine's run (runs the machine first if it has not run yet)."""

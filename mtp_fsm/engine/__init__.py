@@ -1,11 +1,12 @@
 """The lockstep engine, its plan/output types, the host ledger and the built-in scheduling policy."""
 
 from .engine import LockstepEngine, ModelFault
+from .feed import FeedError
 from .plan import FinishedRequest, Frame, FrameBatch, Generation, NewRequest, RowOutput, Span, StepOutput, StepPlan
 from .records import RequestRecord
 from .scheduler import SchedulerStallError, SchedulingPolicy
 
 __all__ = [
-    "FinishedRequest", "Frame", "FrameBatch", "Generation", "LockstepEngine", "ModelFault", "NewRequest",
+    "FeedError", "FinishedRequest", "Frame", "FrameBatch", "Generation", "LockstepEngine", "ModelFault", "NewRequest",
     "RequestRecord", "RowOutput", "SchedulerStallError", "SchedulingPolicy", "Span", "StepOutput", "StepPlan",
 ]

@@ -7,6 +7,7 @@ import weakref
 from ..errors import AdmissionError
 from ..model_api import PreparedPrompt, TalkerModel
 from ..sampling.topp import MAX_VOCAB_FIXED
+from .staging import sampling_of
 from .plan import NewRequest
 
 
@@ -48,9 +49,10 @@ class Admission:
             problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
         problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
         problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]
-        sampled = [("cb0", req.cb0_sampling, self.spec.backbone_vocab_size)]
+        cb0, mtp = sampling_of(self.spec, req)  # what the rows will really run with
+        sampled = [("cb0", cb0, self.spec.backbone_vocab_size)]
         if self.spec.has_mtp:
-            sampled.append(("mtp", req.mtp_sampling, self.spec.codebook_size))
+            sampled.append(("mtp", mtp, self.spec.codebook_size))
         for name, params, vocab in sampled:
             if isinstance(params.top_p, (int, float)) and params.top_p < 1.0 and vocab > MAX_VOCAB_FIXED:
                 problems.append(

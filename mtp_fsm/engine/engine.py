@@ -11,11 +11,14 @@ import torch
 from ..errors import EngineInvariantError, ModelBindingError
 from ..kernels import select_backend
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID, StagedEvents
-from ..lifecycle import FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for
+from ..lifecycle import (
+    FinishReason, LifecycleCompileError, Oracle, Phase, Predicate, Trigger, compile_lifecycle, lifecycle_for,
+)
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import PreparedPrompt, TalkerModel
+from ..model_api import FEED_COUNT, FEED_DONE, FEED_ROWS, MtpResult, PreparedPrompt, TalkerModel, feed_columns
 from ..sampling import describe_fault
 from ..slots import SlotTable
+from .feed import ConditioningFeed
 from .ledger import HostStep, Ledger
 from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
@@ -85,12 +88,17 @@ class LockstepEngine:
                 f"model {self.spec.name!r} {has} but lifecycle {self.lifecycle.name!r} declares "
                 f"{len(self.lifecycle.stages_of(Phase.MTP))} MTP-phase stages"
             )
+        for name, params in (("cb0", self.spec.cb0_sampling), ("mtp", self.spec.mtp_sampling)):
+            if params is not None and params.problems():
+                raise ModelBindingError(f"model {self.spec.name!r}: its fixed {name} sampling: "
+                                        + "; ".join(params.problems()))
         self._lc = self.compiled.to(self.device)
         self.kernels = select_backend(kernels, self.device)
-        self.table = SlotTable.allocate(max_slots, self.spec, self.device, model.slot_columns())
+        self.table = SlotTable.allocate(max_slots, self.spec, self.device, {**model.slot_columns(), **feed_columns(self.spec)})
         self.oracle = Oracle(self.lifecycle)
         self.ledger = Ledger(model, self.table, self.oracle, self.compiled)
         self.scheduler = Scheduler(self.ledger, policy or SchedulingPolicy())
+        self.feeds = ConditioningFeed(self.ledger, self.kernels, self._lc)
         model.bind_slots(max_slots, self.device, self.table.extra)
         self._forward = _model_call(model, "forward")
         self._cb0_logits = _model_call(model, "cb0_logits")
@@ -99,6 +107,7 @@ class LockstepEngine:
         self._text_step = _model_call(model, "text_step")
         self._reset_slots = _model_call(model, "reset_slots")
         self._allowed = self._cb0_allowed()
+        self._reads_mtp_stop = Predicate.MTP_STOP in self.lifecycle.predicates_read()
         self.step_count = 0
 
     def _cb0_allowed(self) -> torch.Tensor:
@@ -157,6 +166,13 @@ class LockstepEngine:
         """Preempt a running request in the next step; it resumes when a slot is free."""
         return self.scheduler.preempt(request_id)
 
+    def feed(self, request_id: str, rows: torch.Tensor | None = None, *, done: bool = False) -> None:
+        """Append conditioning rows [n, feed_width] to a request's feed (a model with
+        spec.feed_capacity > 0, e.g. Qwen3-Omni's thinker rows); done=True: no more will
+        come (the model then supplies its end-of-feed rows). A request starved for a row
+        is schedulable again from the next step. FeedError (nothing changed) on bad input."""
+        self.feeds.feed(request_id, rows, done)
+
     @property
     def idle(self) -> bool:
         """No request queued, running, preempted, awaiting release or pending an abort."""
@@ -192,6 +208,8 @@ class LockstepEngine:
             if self.scheduler.idle:
                 return None
             plan = self.scheduler.schedule()
+            if is_empty(plan) and self.feeds.num_starved():
+                return None  # nothing can run until engine.feed brings a missing conditioning row
             if is_empty(plan):
                 raise SchedulerStallError(
                     f"nothing can be scheduled: {len(self.ledger.queued)} queued, {len(self.ledger.records)} held, "
@@ -228,7 +246,9 @@ class LockstepEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.step_count += 1
-        return self._build_output(host, packed.numpy(), packed)
+        output = self._build_output(host, packed.numpy(), packed)
+        self.feeds.refresh()  # decoding requests whose next conditioning row is missing rest in starved
+        return output
 
     # -- device pipeline ----------------------------------------------------------------
 
@@ -263,7 +283,14 @@ class LockstepEngine:
             if self._mtp is not None:
                 sample, mtp_faults = k.mtp_sampler(table, batch)
                 codes = self._mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
-                k.mtp_scatter(table, lc, batch, mtp_faults)
+                stop = None
+                if isinstance(codes, MtpResult):
+                    if not self._reads_mtp_stop:
+                        raise EngineInvariantError(
+                            f"model {self.spec.name!r} returned an MtpResult (an MTP-decided stop) but lifecycle "
+                            f"{self.lifecycle.name!r} has no edge reading mtp_stop: use variant 'mtp_stop'")
+                    codes, stop = codes.codes, codes.stop
+                k.mtp_scatter(table, lc, batch, mtp_faults, stop)
             else:
                 codes = cb0[:, None]
             packed = k.publish_frames(table, lc, batch, codes, self._frame_embed(codes))

@@ -140,7 +140,11 @@ class Ledger:
             freed += 1
         for rid in plan.resumes:
             once(rid, "resume")
-            self._check_host_trigger(self.record(rid, "resume"), Trigger.RESUME)
+            record = self.record(rid, "resume")
+            self._check_host_trigger(record, Trigger.RESUME)
+            if not self.ready_to_resume(record):
+                raise PlanError(rid, record.state.label, f"cannot resume before conditioning row {record.num_frames - 1} "
+                                "arrives (its replayed frames read it; engine.feed)")
         prepared = {}
         for req in plan.new_requests:
             rid = req.request_id
@@ -227,8 +231,16 @@ class Ledger:
             if span.num_tokens != 1:
                 raise PlanError(rid, state.label, f"an overrun row of an ended request takes exactly 1 token, "
                                 f"got {span.num_tokens}")
+        elif state is State.STARVED:
+            raise PlanError(rid, state.label, f"waits for conditioning row {max(record.num_frames - 1, 0)} "
+                            "(engine.feed); it cannot be scheduled until it arrives")
         else:
             raise PlanError(rid, state.label, "cannot be scheduled in this state")
+
+    def ready_to_resume(self, record: RequestRecord) -> bool:
+        """A resume replays the published frames with their text steps: with a conditioning
+        feed, every row they read must have arrived."""
+        return not self.spec.has_feed or record.num_frames == 0 or record.has_feed_row(record.num_frames - 1)
 
     def resume_prompt_len(self, record: RequestRecord) -> int:
         return record.base_prompt_len + record.num_frames
@@ -314,7 +326,7 @@ class Ledger:
     def _stage_rows(self, rows: tuple[Span | None, ...]):
         records = [None if s is None else self.records[s.request_id] for s in rows]
         counts = [0 if s is None else s.num_tokens for s in rows]
-        batch, slots = build_batch(self.table, records, counts)
+        batch, slots = build_batch(self.table, self.spec, records, counts)
         live_now = np.isin(self.slot_state[slots], self._live_codes)
         for record, n, is_live in zip(records, counts, live_now.tolist()):
             if record is not None and is_live:

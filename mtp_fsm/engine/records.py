@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..lifecycle import FinishReason, RequestFSM, State
-from ..model_api import PreparedPrompt
+from ..model_api import FEED_COUNT, FEED_DONE, FEED_ROWS, PreparedPrompt
 from .plan import NewRequest
 
 
@@ -17,7 +17,7 @@ class RequestRecord:
 
     __slots__ = (
         "request", "fsm", "prepared", "slot", "serial", "prompt_len", "num_computed",
-        "num_frames", "finish_reason", "replay_codes",
+        "num_frames", "finish_reason", "replay_codes", "feed", "feed_done",
     )
 
     def __init__(self, request: NewRequest, fsm: RequestFSM, prepared: PreparedPrompt) -> None:
@@ -31,6 +31,28 @@ class RequestRecord:
         self.num_frames = 0
         self.finish_reason = FinishReason.NONE
         self.replay_codes: torch.Tensor | None = None  # [n, Q] frames published before preemption
+        # Conditioning rows received so far (host copy: a resumed request re-uploads them).
+        self.feed: torch.Tensor | None = prepared.feed
+        self.feed_done = bool(prepared.feed_done)
+
+    @property
+    def feed_count(self) -> int:
+        return 0 if self.feed is None else int(self.feed.shape[0])
+
+    def has_feed_row(self, index: int) -> bool:
+        """Whether the text step reading conditioning row `index` can run."""
+        return index < self.feed_count or self.feed_done
+
+    def column_value(self, name: str) -> torch.Tensor | None:
+        """A slot column's value at admission: the engine-owned feed columns from this
+        record, the model's own from the prepared prompt."""
+        if name == FEED_ROWS:
+            return self.feed
+        if name == FEED_COUNT:
+            return torch.tensor(self.feed_count)
+        if name == FEED_DONE:
+            return torch.tensor(int(self.feed_done))
+        return self.prepared.columns.get(name)
 
     @property
     def request_id(self) -> str:

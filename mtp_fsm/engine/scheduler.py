@@ -98,7 +98,7 @@ class Scheduler:
                           and rid not in gone), key=lambda r: r.serial)
         free = ledger.allocator.num_free + len(releases) + sum(records[rid].slot is not None for rid in aborts)
         preempts = [r.request_id for r in running if r.request_id in self._preempts]
-        waiting_resumes = [rid for rid in self._preempted if rid not in gone]
+        waiting_resumes = [rid for rid in self._preempted if rid not in gone and ledger.ready_to_resume(records[rid])]
         head = next(iter(ledger.queued), None)
         blocked = head is not None and free + len(preempts) <= 0 and not waiting_resumes
         limit = self.policy.preempt_after_steps

@@ -7,8 +7,15 @@ import torch
 
 from ..kernels.contract import ReplayFrames, StagedAdmits, StepBatch
 from ..model_api import ModelSpec
+from ..sampling import SamplingParams
 from ..slots import SlotTable
 from .records import RequestRecord
+
+
+def sampling_of(spec: ModelSpec, request) -> tuple[SamplingParams, SamplingParams]:
+    """(CB0, MTP) sampling a request runs with: the model's own where it fixes them
+    (spec.cb0_sampling / mtp_sampling, e.g. MOSS's audio sampling), else the request's."""
+    return spec.cb0_sampling or request.cb0_sampling, spec.mtp_sampling or request.mtp_sampling
 
 
 def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord], trigger: int):
@@ -21,20 +28,21 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
     for i, r in enumerate(admitted):
         prompts[i, : r.prepared.prompt_embeds.shape[0]] = r.prepared.prompt_embeds
     req = [r.request for r in admitted]
+    cb0, mtp = zip(*(sampling_of(spec, q) for q in req))
     values = {
         "serial": [r.serial for r in admitted], "prompt_len": [r.prompt_len for r in admitted],
         "num_frames": [r.num_frames for r in admitted], "max_frames": [q.max_frames for q in req],
         "seed": [q.seed for q in req],
-        "cb0_temperature": [q.cb0_sampling.temperature for q in req], "cb0_top_k": [q.cb0_sampling.top_k for q in req],
-        "cb0_top_p": [q.cb0_sampling.top_p for q in req],
-        "mtp_temperature": [q.mtp_sampling.temperature for q in req], "mtp_top_k": [q.mtp_sampling.top_k for q in req],
-        "mtp_top_p": [q.mtp_sampling.top_p for q in req],
+        "cb0_temperature": [p.temperature for p in cb0], "cb0_top_k": [p.top_k for p in cb0],
+        "cb0_top_p": [p.top_p for p in cb0],
+        "mtp_temperature": [p.temperature for p in mtp], "mtp_top_k": [p.top_k for p in mtp],
+        "mtp_top_p": [p.top_p for p in mtp],
     }
     columns = table.columns()
     staged = {k: torch.tensor(v, dtype=columns[k].dtype).to(device) for k, v in values.items()}
     staged["prompt_embeds"] = prompts.to(device)
     for name in table.extra:
-        given = [r.prepared.columns.get(name) for r in admitted]
+        given = [r.column_value(name) for r in admitted]
         if all(g is None for g in given):
             continue
         tail = tuple(max(dims) for dims in zip(*(g.shape for g in given if g is not None)))
@@ -66,7 +74,9 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
     return StagedAdmits(slots, staged, trigger), replay
 
 
-def build_batch(table: SlotTable, records: list[RequestRecord | None], counts: list[int]) -> tuple[StepBatch, np.ndarray]:
+def build_batch(
+    table: SlotTable, spec: ModelSpec, records: list[RequestRecord | None], counts: list[int],
+) -> tuple[StepBatch, np.ndarray]:
     """The StepBatch for rows in order (None = padding, mapped to the scratch row)."""
     scratch = table.max_slots
     starts = [0]
@@ -76,10 +86,10 @@ def build_batch(table: SlotTable, records: list[RequestRecord | None], counts: l
     idx = [scratch if r is None else r.slot for r in records]
     token_rows = torch.repeat_interleave(torch.arange(len(records)), torch.tensor(counts, dtype=torch.int64))
     qsl = torch.tensor(starts, dtype=torch.int64)
-    live = [r.request for r in records if r is not None]
+    live = [sampling_of(spec, r.request) for r in records if r is not None]
     # Host-known sampler facts (no device read): the largest top_k and whether any row uses top-p.
-    cb0_k_max, cb0_top_p = _filter_facts(q.cb0_sampling for q in live)
-    mtp_k_max, mtp_top_p = _filter_facts(q.mtp_sampling for q in live)
+    cb0_k_max, cb0_top_p = _filter_facts(cb0 for cb0, _ in live)
+    mtp_k_max, mtp_top_p = _filter_facts(mtp for _, mtp in live)
     batch = StepBatch(
         idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
         is_padding=torch.tensor([r is None for r in records], dtype=torch.bool).to(device),

@@ -227,12 +227,16 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     return sample, faults
 
 
-def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor) -> None:
-    """Stage 5: the MTP-phase stages (frame complete, or an error on a bad MTP sample).
-    mtp_faults: the fault words of `mtp_sampler` (int32 [B], 0 = ok)."""
+def mtp_scatter(
+    table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor, mtp_stop: torch.Tensor | None = None,
+) -> None:
+    """Stage 5: the MTP-phase stages (frame complete, an error on a bad MTP sample, or the
+    stop an MtpResult decided). mtp_faults: the fault words of `mtp_sampler` (int32 [B],
+    0 = ok); mtp_stop: bool [B] from an MtpResult, None when the hook returned codes only."""
     slot = batch.idx_mapping
     owned = _owned(table, batch)
-    facts = {Predicate.MTP_FAULT: mtp_faults != 0}
+    facts = {Predicate.MTP_FAULT: mtp_faults != 0,
+             Predicate.MTP_STOP: torch.zeros_like(owned) if mtp_stop is None else mtp_stop.to(torch.bool)}
     result = run_phase(lc, Phase.MTP, table.state[slot], owned, lambda _: facts)
     _record(table, slot, result)
     _record_fault(table, slot, owned, result, mtp_faults)

@@ -43,6 +43,7 @@ B_CB0_FAULT = tl.constexpr(int(Predicate.CB0_FAULT))
 B_EOS_SAMPLED = tl.constexpr(int(Predicate.EOS_SAMPLED))
 B_MTP_FAULT = tl.constexpr(int(Predicate.MTP_FAULT))
 B_LENGTH_REACHED = tl.constexpr(int(Predicate.LENGTH_REACHED))
+B_MTP_STOP = tl.constexpr(int(Predicate.MTP_STOP))
 
 E_IDENTITY = tl.constexpr(ERR_IDENTITY)
 E_ILLEGAL = tl.constexpr(ERR_ILLEGAL)

@@ -298,16 +298,19 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     return sample, faults
 
 
-def mtp_scatter(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor) -> None:
+def mtp_scatter(
+    table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor, mtp_stop: torch.Tensor | None = None,
+) -> None:
     """The MTP-phase stage chain (a lifecycle without one leaves every row as it is)."""
     rows = batch.num_rows
     if rows == 0 or not lc.has_stages(Phase.MTP):
         return
     chain, shape = _chain(lc, Phase.MTP)
     K.mtp_scatter_kernel[(triton.cdiv(rows, ROW_BLOCK),)](
-        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, mtp_faults, rows,
+        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, mtp_faults,
+        mtp_faults if mtp_stop is None else _u8(mtp_stop), rows,
         table.state, table.serial, table.finish_reason, table.error, table.fault, lc.rules, chain,
-        **_rules(lc), **shape, BLOCK=ROW_BLOCK,
+        **_rules(lc), **shape, HAS_STOP=mtp_stop is not None, BLOCK=ROW_BLOCK,
     )
 
 

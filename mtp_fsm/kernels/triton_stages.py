@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    B_CB0_FAULT, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_PROMPT_DONE, C_IN_STEP, C_LIVE, C_VACANT,
+    B_CB0_FAULT, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE, C_IN_STEP, C_LIVE, C_VACANT,
     E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID,
     add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
@@ -245,11 +245,11 @@ def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp
 
 
 @triton.jit(do_not_specialize=['B'])
-def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, B, state_ptr, serial_ptr, reason_ptr, error_ptr,
+def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, state_ptr, serial_ptr, reason_ptr, error_ptr,
                        fault_ptr, rules_ptr, chain_ptr, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr,
-                       WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """The MTP-phase stage chain on the predicate MTP_FAULT (a row's fault word != 0),
-    then the fault column."""
+                       WIDTH: tl.constexpr, HAS_STOP: tl.constexpr, BLOCK: tl.constexpr):
+    """The MTP-phase stage chain on the predicates MTP_FAULT (a row's fault word != 0) and
+    MTP_STOP (the hook's stop flags, when it returned any), then the fault column."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < B
     slot = tl.load(idx_ptr + r, mask=m, other=0)
@@ -258,6 +258,8 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, B, state_ptr, se
     owned = (~pad) & (tl.load(serial_ptr + slot, mask=m, other=0) == tl.load(exp_ptr + r, mask=m, other=0))
     fault = tl.load(fault_in_ptr + r, mask=m, other=0)
     word = predicate_bit(fault != 0, B_MTP_FAULT)
+    if HAS_STOP:
+        word = word | predicate_bit(tl.load(stop_ptr + r, mask=m, other=0) != 0, B_MTP_STOP)
     new, why, published, stuck = run_chain(rules_ptr, chain_ptr, state, word, owned, NS, PLANE, STAGES, WIDTH)
     w = m & ~pad
     reason = tl.load(reason_ptr + slot, mask=w, other=0)

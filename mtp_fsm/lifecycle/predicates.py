@@ -32,6 +32,7 @@ class Predicate(enum.IntEnum):
     EOS_SAMPLED = 2  # the sampled CB0 is the codec EOS
     MTP_FAULT = 3  # one of the row's MTP samples faulted (as CB0_FAULT)
     LENGTH_REACHED = 4  # frames published >= max_frames, or the context has no position left
+    MTP_STOP = 5  # the MTP stage decided the stop (an MtpResult's stop flag, MOSS's continue head)
 
     @property
     def label(self) -> str:
@@ -49,6 +50,7 @@ PREDICATE_PHASE: dict[Predicate, Phase] = {
     Predicate.EOS_SAMPLED: Phase.SAMPLE,
     Predicate.MTP_FAULT: Phase.MTP,
     Predicate.LENGTH_REACHED: Phase.PUBLISH,
+    Predicate.MTP_STOP: Phase.MTP,
 }
 
 

@@ -22,6 +22,7 @@ class State(enum.IntEnum):
     FINISHED = 6  # terminal: eos or length
     ABORTED = 7  # terminal: client cancel or error
     PREEMPTED = 8  # slot released, resumable
+    STARVED = 9  # holds its slot, not schedulable: the conditioning row its next step reads has not arrived
 
     @property
     def label(self) -> str:
@@ -45,6 +46,9 @@ class Trigger(enum.IntEnum):
     RELEASE = 11
     FAIL = 12  # intake: a faulty CB0 sample (NaN / +inf logit, nothing unmasked) ends the request with reason error
     MTP_FAIL = 13  # MTP stage: a faulty MTP sample ends the request with reason error
+    MTP_STOP = 14  # MTP stage: the MTP result says stop; no frame, reason eos
+    STARVE = 15  # host: a decoding request's next conditioning row is missing
+    FEED = 16  # host: the missing conditioning row arrived (or the feed finished)
 
     @property
     def label(self) -> str:
@@ -128,6 +132,10 @@ class LifecycleSpec:
 
     def stages_of(self, phase: Phase) -> tuple[Stage, ...]:
         return tuple(s for s in self.stages if s.phase is phase)
+
+    def predicates_read(self) -> frozenset:
+        """Every predicate some edge's guard reads."""
+        return frozenset(p for t in self.transitions if t.guard is not None for side in t.guard.resolved() for p in side)
 
     def build_machine(self, machine_cls: type[Machine] = Machine, model=None, **kwargs) -> Machine:
         """A static machine (model=None) over these transitions, guards as conditions.

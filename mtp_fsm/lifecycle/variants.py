@@ -90,7 +90,45 @@ def single_codebook_lifecycle() -> LifecycleSpec:
     )
 
 
-VARIANTS = {"mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle}
+def mtp_stop_lifecycle() -> LifecycleSpec:
+    """The MTP stage decides the stop (MOSS-TTS Local: the local transformer returns
+    (continue, codes)); CB0 never ends a request."""
+    fault, stop = "mtp_fault", "mtp_stop"
+    transitions = [
+        *_host_edges(),
+        *_intake(_S.SAMPLED),
+        Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY, Guard(unless=(fault, stop))),
+        Transition(_T.MTP_FAIL, (_S.SAMPLED,), _S.ABORTED, Guard(when=(fault,)), FinishReason.ERROR),
+        # A stopped stream publishes no frame for this step and never emits again.
+        Transition(_T.MTP_STOP, (_S.SAMPLED,), _S.FINISHED, Guard(when=(stop,), unless=(fault,)), FinishReason.EOS),
+        *_publication(),
+    ]
+    stages = (_INTAKE_STAGE, Stage("mtp", Phase.MTP, (_T.MTP, _T.MTP_FAIL, _T.MTP_STOP)), *_PUBLISH_STAGES)
+    return LifecycleSpec(
+        "mtp_stop", "MTP stage decides the stop (MOSS-TTS Local)", tuple(transitions), stages, CLASSES, HOST_TRIGGERS,
+    )
+
+
+def conditioned_lifecycle() -> LifecycleSpec:
+    """Current-step MTP whose text step reads an external conditioning feed (Qwen3-Omni
+    thinker rows): a decoding request whose next row has not arrived rests in `starved`."""
+    transitions = [
+        *(t for t in mtp_lifecycle().transitions if t.trigger not in (_T.PREEMPT, _T.ABORT)),
+        Transition(_T.PREEMPT, (*_LIVE, _S.STARVED), _S.PREEMPTED),
+        Transition(_T.ABORT, (*_LIVE, _S.PREEMPTED, _S.STARVED), _S.ABORTED),
+        Transition(_T.STARVE, (_S.DECODING,), _S.STARVED),
+        Transition(_T.FEED, (_S.STARVED,), _S.DECODING),
+    ]
+    return LifecycleSpec(
+        "conditioned", "Current-step MTP with an external conditioning feed (Qwen3-Omni)", tuple(transitions),
+        mtp_lifecycle().stages, CLASSES, HOST_TRIGGERS | {_T.STARVE, _T.FEED},
+    )
+
+
+VARIANTS = {
+    "mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle, "mtp_stop": mtp_stop_lifecycle,
+    "conditioned": conditioned_lifecycle,
+}
 
 
 def lifecycle_for(name: str) -> LifecycleSpec:

@@ -10,7 +10,11 @@ import attrs
 
 from ..model_api import TalkerModel
 
-DEFAULT_MODEL = "models.qwen3_tts:tiny_demo_talker"
+DEFAULT_MODEL = "qwen3_tts"
+# Short names of the talkers in `models/` (each package's tiny seeded demo factory).
+MODEL_NAMES = {
+    name: f"models.{name}:tiny_demo_talker" for name in ("qwen3_tts", "qwen3_omni", "moss_tts_local", "chatterbox")
+}
 SCRIPTED_MODEL = "mtp_fsm.serving.model_loader:scripted_talker"
 
 
@@ -28,10 +32,13 @@ class ModelLoadError(ValueError):
 
 
 def resolve(spec: str) -> Any:
-    """'package.module:attr.path' -> the object it names (pkgutil.resolve_name, clearer errors)."""
+    """A short model name (MODEL_NAMES) or 'package.module:attr.path' -> the object it names
+    (pkgutil.resolve_name, clearer errors)."""
+    spec = MODEL_NAMES.get(spec, spec)
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
-        raise ModelLoadError(f"model {spec!r}: expected an import string 'package.module:factory'")
+        raise ModelLoadError(f"model {spec!r}: expected one of {sorted(MODEL_NAMES)} or an import string "
+                             "'package.module:factory'")
     try:
         return pkgutil.resolve_name(spec)
     except ImportError as exc:
@@ -56,7 +63,7 @@ def load_talker(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedTalker:
         return result
     if not isinstance(result, TalkerModel):
         raise ModelLoadError(f"model {spec!r}: the factory returned {type(result).__name__}, not a TalkerModel")
-    text_inputs = getattr(pkgutil.resolve_name(spec.partition(":")[0]), "text_inputs", None)  # imported above
+    text_inputs = getattr(pkgutil.resolve_name(MODEL_NAMES.get(spec, spec).partition(":")[0]), "text_inputs", None)
     if text_inputs is None:
         raise ModelLoadError(f"model {spec!r}: its module defines no text_inputs(text); return a LoadedTalker instead")
     return LoadedTalker(result, text_inputs, result.spec.name)

@@ -22,6 +22,16 @@ def scripted_mtp() -> ScriptedTalker:
     return ScriptedTalker(dtype=torch.float64)
 
 
+def scripted_mtp_stop() -> ScriptedTalker:
+    """The 4-codebook scripted talker whose MTP hook decides the stop (variant mtp_stop)."""
+    return ScriptedTalker(dtype=torch.float64, variant="mtp_stop")
+
+
+def scripted_conditioned() -> ScriptedTalker:
+    """The 4-codebook scripted talker whose text step reads a conditioning feed (variant conditioned)."""
+    return ScriptedTalker(dtype=torch.float64, variant="conditioned")
+
+
 def scripted_single() -> ScriptedTalker:
     """A single-codebook scripted talker (no MTP stage), float64."""
     return ScriptedTalker(num_codebooks=1, dtype=torch.float64)
@@ -97,21 +107,24 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
     kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
     run = AloneRun(tuple(tuple(int(c) for c in f.codes) for f in result.frames), done.reason, kind, done.detail)
     if isinstance(definition.inputs, ScriptInputs):
-        check_script(definition.inputs, run, model.spec.has_mtp)
+        check_script(definition.inputs, run, model.spec)
     return run
 
 
 
-def check_script(inputs: ScriptInputs, run: AloneRun, has_mtp: bool) -> None:
+def check_script(inputs: ScriptInputs, run: AloneRun, spec) -> None:
     """The alone run is itself an engine run: hold it to the script, so an engine that
     ignored a forced EOS or NaN everywhere would not agree with itself unnoticed."""
+    stop_in_mtp = spec.lifecycle == "mtp_stop"
 
     def forced(f: int) -> str | None:
-        if inputs.eos_at == f:
+        if inputs.eos_at == f and not stop_in_mtp:
             return "eos"  # forced EOS logits are finite even where the hidden state is NaN
         if inputs.nan_at == f:
             return "cb0"
-        return "mtp" if has_mtp and inputs.mtp_nan_at == f else None
+        if spec.has_mtp and inputs.mtp_nan_at == f:
+            return "mtp"  # under mtp_stop a faulty MTP sample also beats the stop
+        return "eos" if inputs.eos_at == f else None
 
     n = len(run.frames)
     early = [f for f in range(n) if forced(f)]

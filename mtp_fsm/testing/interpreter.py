@@ -7,7 +7,7 @@ import torch
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Transition, Trigger
 from ..lifecycle import length_reached, prompt_done
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import PreparedPrompt, TalkerModel
+from ..model_api import FEED_COUNT, FEED_DONE, FEED_ROWS, MtpResult, PreparedPrompt, TalkerModel, feed_columns
 from ..sampling import FAULT_EMPTY, FAULT_NAN, FAULT_OK, FAULT_POSINF, SamplingParams, describe_fault, fault_word
 from ..sampling.noise import gumbel_noise, row_key
 from ..sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables
@@ -121,9 +121,14 @@ class _Walk:
 def _bind_one_slot(model: TalkerModel, prepared: PreparedPrompt, device: torch.device) -> dict[str, torch.Tensor]:
     """Model columns for slot 0 (+ the scratch row 1), as the slot table would hold them."""
     columns = {}
-    for name, cs in model.slot_columns().items():
+    given = dict(prepared.columns)
+    if prepared.feed is not None:  # a conditioned model: every row the request will get
+        given[FEED_ROWS] = prepared.feed
+    given[FEED_COUNT] = torch.tensor(0 if prepared.feed is None else int(prepared.feed.shape[0]))
+    given[FEED_DONE] = torch.tensor(int(prepared.feed_done))
+    for name, cs in {**model.slot_columns(), **feed_columns(model.spec)}.items():
         col = torch.full((2, *cs.shape), cs.fill, dtype=cs.dtype, device=device)
-        value = prepared.columns.get(name)
+        value = given.get(name)
         if value is not None:
             col[0][tuple(slice(0, n) for n in value.shape)] = value.to(device=device, dtype=cs.dtype)
         columns[name] = col
@@ -150,6 +155,8 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
     if spec.eos_token_id is not None:
         allowed[spec.eos_token_id] = True
     has_mtp_stage = bool(life.stages_of(Phase.MTP))
+    # A model may own its sampling (ModelSpec.cb0_sampling / mtp_sampling): the request's is then ignored.
+    cb0_params, mtp_params = spec.cb0_sampling or d.cb0, spec.mtp_sampling or d.mtp
 
     frames: list[tuple[int, ...]] = []
     # Before any publish the engine's frame cache row is zeros (only a mutated spec gets there).
@@ -159,13 +166,15 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         if computed < prompt_len:  # the whole (rest of the) prompt in one step
             inputs = prompt[computed:]
         else:  # the last published frame + the text step of that frame
+            if spec.has_feed and not (max(len(frames) - 1, 0) < int(columns[FEED_COUNT][0]) or prepared.feed_done):
+                raise AssertionError(f"interpreted request {d} starves: a reference run needs its whole feed")
             frame_index = torch.tensor([max(len(frames) - 1, 0)], device=device)
             inputs = last_embed + model.text_step(columns, slot, frame_index).to(spec.dtype)
         scheduled = int(inputs.shape[0])
         positions = torch.arange(computed, computed + scheduled, device=device)
         hidden = model.forward(inputs, positions, torch.zeros(scheduled, dtype=torch.int64, device=device))[-1:]
         logits = model.cb0_logits(hidden)[0]
-        cb0, cb0_fault = sample_row(logits, d.cb0, d.seed, len(frames), 0, allowed)
+        cb0, cb0_fault = sample_row(logits, cb0_params, d.seed, len(frames), 0, allowed)
         sample_facts = {
             Predicate.PROMPT_DONE: prompt_done(computed, scheduled, prompt_len),
             Predicate.CB0_FAULT: cb0_fault != FAULT_OK,
@@ -181,16 +190,19 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
             def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
                 tokens = []
                 for row in logits:
-                    token, kind = sample_row(row, d.mtp, d.seed, len(frames), codebook)
+                    token, kind = sample_row(row, mtp_params, d.seed, len(frames), codebook)
                     if kind != FAULT_OK:
                         mtp_faults.setdefault(codebook, kind)
                     tokens.append(token)
                 return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
 
-            codes = model.mtp(hidden, codes[:, 0].clamp(0, spec.codebook_size - 1), sample)
+            result = model.mtp(hidden, codes[:, 0].clamp(0, spec.codebook_size - 1), sample)
+            stop = isinstance(result, MtpResult) and bool(result.stop[0])
+            codes = result.codes if isinstance(result, MtpResult) else result
             first = min(mtp_faults, default=None)  # the lowest bad codebook names the fault
             word = 0 if first is None else fault_word(mtp_faults[first], first)
-            walk.phase(Phase.MTP, lambda fired: {Predicate.MTP_FAULT: bool(mtp_faults)}, word)
+            mtp_facts = {Predicate.MTP_FAULT: bool(mtp_faults), Predicate.MTP_STOP: stop}
+            walk.phase(Phase.MTP, lambda fired: mtp_facts, word)
 
         def publish_facts(fired: list[Transition]) -> dict[Predicate, bool]:
             # A frame counts toward the budget once a publishing edge of this phase fired.

@@ -43,6 +43,7 @@ class OracleDriver:
         self.spec, self.max_slots, self.refs = spec, max_slots, refs
         self.oracle = Oracle(lifecycle)
         self.lifecycle, self.classes = lifecycle, lifecycle.classes
+        self._stop_in_mtp = Predicate.MTP_STOP in lifecycle.predicates_read()
         self.requests: dict[str, RequestRecord] = {}
         self._free = list(range(max_slots))  # lowest free slot first, like the engine must
         self.steps = 0
@@ -130,11 +131,13 @@ class OracleDriver:
         edges: list[tuple[Trigger, State]] = []  # every edge the row fired: (trigger, source)
         for phase in Phase:
             def facts(stage, fired, phase=phase) -> dict[Predicate, bool]:
+                # An eos ending is sampled by CB0, or decided by the MTP stage where the spec says so.
+                eos = outcome.get("eos", False)
                 if phase is Phase.SAMPLE:
                     return {Predicate.PROMPT_DONE: done, Predicate.CB0_FAULT: outcome.get("cb0", False),
-                            Predicate.EOS_SAMPLED: outcome.get("eos", False)}
+                            Predicate.EOS_SAMPLED: eos and not self._stop_in_mtp}
                 if phase is Phase.MTP:
-                    return {Predicate.MTP_FAULT: outcome.get("mtp", False)}
+                    return {Predicate.MTP_FAULT: outcome.get("mtp", False), Predicate.MTP_STOP: eos and self._stop_in_mtp}
                 frames = r.num_frames + sum(self._publishes(e) for e in (*edges, *fired))  # counted once published
                 return {Predicate.LENGTH_REACHED: length_reached(
                     frames, r.request.max_frames, r.num_computed, self.spec.max_context)}

@@ -5,7 +5,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..model_api import CodebookSampler, ColumnSpec, ModelSpec, PreparedPrompt, TalkerModel
+from ..model_api import (
+    FEED_COUNT, FEED_DONE, FEED_ROWS, CodebookSampler, ColumnSpec, ModelSpec, MtpResult, PreparedPrompt, TalkerModel,
+)
 
 PROMPT_VOCAB = 97
 
@@ -19,6 +21,15 @@ class ScriptInputs:
     eos_at: int | None = None
     nan_at: int | None = None
     mtp_nan_at: int | None = None
+    # A conditioned talker's feed: prompt-vocab ids of its conditioning rows, how many are
+    # there at admission (None: all), and whether the feed is complete once all arrived.
+    feed: tuple[int, ...] = ()
+    feed_upfront: int | None = None
+    feed_done: bool = True
+
+    def whole_feed(self) -> "ScriptInputs":
+        """The same request with every conditioning row there from the start."""
+        return attrs.evolve(self, feed_upfront=None)
 
 
 class ScriptedTalker(TalkerModel):
@@ -40,12 +51,16 @@ class ScriptedTalker(TalkerModel):
         dtype: torch.dtype = torch.float64,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        variant: str | None = None,
     ) -> None:
-        eos = codebook_size + 2 if num_codebooks > 1 else codebook_size
+        # Under "mtp_stop" the MTP hook, not CB0, carries the scripted stop (eos_at).
+        self.mtp_stops = variant == "mtp_stop"
+        self.conditioned = variant == "conditioned"  # the text step reads the feed columns
+        eos = None if self.mtp_stops else codebook_size + 2 if num_codebooks > 1 else codebook_size
         self.spec = ModelSpec(
             name="scripted", hidden_size=hidden_size, num_codebooks=num_codebooks,
             backbone_vocab_size=codebook_size + 4, codebook_size=codebook_size, eos_token_id=eos,
-            max_context=max_context, dtype=dtype,
+            max_context=max_context, dtype=dtype, variant=variant, feed_capacity=max_context if self.conditioned else 0,
         )
         g = torch.Generator().manual_seed(seed)
         h, v, q = hidden_size, codebook_size, num_codebooks
@@ -69,7 +84,13 @@ class ScriptedTalker(TalkerModel):
         def at(x):
             return torch.tensor(never if x is None else x, dtype=torch.int64)
 
+        feed, done = None, False
+        if self.conditioned:
+            rows = self.feed_rows(inputs.feed)
+            upfront = len(rows) if inputs.feed_upfront is None else inputs.feed_upfront
+            feed, done = rows[:upfront], inputs.feed_done and upfront >= len(rows)
         return PreparedPrompt(
+            feed=feed, feed_done=done,
             prompt_embeds=self.token_table[ids],
             columns={
                 "prompt_len0": torch.tensor(len(ids)), "eos_at": at(inputs.eos_at), "nan_at": at(inputs.nan_at),
@@ -89,8 +110,19 @@ class ScriptedTalker(TalkerModel):
     def reset_slots(self, slots: torch.Tensor) -> None:
         self.cache.index_fill_(0, slots, 0.0)  # a scalar kernel argument: no host-to-device copy
 
+    def feed_rows(self, ids) -> torch.Tensor:
+        """The conditioning rows [n, H] of feed ids (what a test hands engine.feed)."""
+        index = torch.tensor([i % PROMPT_VOCAB for i in ids], dtype=torch.long, device=self.token_table.device)
+        return self.token_table[index] * 0.3
+
     def text_step(self, columns, slots, frame_index):
-        return self.text_table[(columns["text_key"][slots] + frame_index) % 8]
+        if not self.conditioned:
+            return self.text_table[(columns["text_key"][slots] + frame_index) % 8]
+        # Fed row, then one end-of-feed row (text_table[0]) once the feed is done, then pad (text_table[1]).
+        count, done = columns[FEED_COUNT][slots], columns[FEED_DONE][slots] != 0
+        rows = columns[FEED_ROWS][slots, frame_index.clamp(0, self.spec.feed_capacity - 1)]
+        end = torch.where((done & (frame_index == count))[:, None], self.text_table[0], self.text_table[1])
+        return torch.where((frame_index < count)[:, None], rows, end)
 
     def forward(self, inputs_embeds, positions, token_slots):
         slot = torch.where(token_slots >= 0, token_slots, self._scratch)
@@ -112,6 +144,8 @@ class ScriptedTalker(TalkerModel):
     def cb0_logits(self, hidden):
         h, flags = hidden[:, : self.spec.hidden_size], hidden[:, self.spec.hidden_size:]
         logits = h @ self.head
+        if self.mtp_stops:
+            return logits
         forced = torch.full_like(logits, -1e4)
         forced[:, self.spec.eos_token_id] = 1e4
         return torch.where(flags[:, :1] > 0, forced, logits)
@@ -126,7 +160,8 @@ class ScriptedTalker(TalkerModel):
             token = sample(logits, g)
             codes.append(token)
             state = state + self.code_tables[g][token]
-        return torch.stack(codes, dim=1)
+        codes = torch.stack(codes, dim=1)
+        return MtpResult(codes, flags[:, 0] > 0) if self.mtp_stops else codes
 
     def frame_embed(self, codes):
         out = self.code_tables[0][codes[:, 0].clamp(0, self.spec.codebook_size - 1)]

@@ -59,7 +59,12 @@ def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6)
             return draw(st.integers(0, budget - 1)) if draw(st.integers(0, 4)) == 0 else None
 
         prompt = tuple(draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)))
-        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(), mtp_nan_at=at() if spec.has_mtp else None)
+        feed, feed_done = (), True
+        if spec.has_feed:  # the whole feed: a request never starves for more than it will get
+            feed = tuple(draw(st.lists(st.integers(0, 96), max_size=budget + 1)))
+            feed_done = len(feed) < budget or draw(st.booleans())
+        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(), mtp_nan_at=at() if spec.has_mtp else None,
+                              feed=feed, feed_done=feed_done)
         seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
         return RequestDef(inputs, budget, seed, draw(st.sampled_from(SAMPLING)), draw(st.sampled_from(SAMPLING)))
 

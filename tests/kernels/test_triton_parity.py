@@ -40,7 +40,7 @@ H, Q, C, SLOTS, V0 = 8, 3, 12, 6, 37
 EOS = 34
 FAST = settings(max_examples=15, deadline=None, derandomize=True)
 MORE = settings(max_examples=40, deadline=None, derandomize=True)
-LIFECYCLES = {spec.name: compile_lifecycle(spec).to(DEVICE) for spec in (mtp_lifecycle(), single_codebook_lifecycle())}
+LIFECYCLES = {spec.name: compile_lifecycle(spec).to(DEVICE) for spec in (f() for f in VARIANTS.values())}
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

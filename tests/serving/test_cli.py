@@ -72,7 +72,7 @@ def test_bench_and_diagrams_commands_pass_arguments_through(monkeypatch):
 
 
 def test_model_import_string_errors_are_clear():
-    with pytest.raises(ModelLoadError, match="expected an import string"):
+    with pytest.raises(ModelLoadError, match="or an import string"):
         load_talker("no_colon")
     with pytest.raises(ModelLoadError, match="cannot import 'no_such_pkg_xyz'"):
         load_talker("no_such_pkg_xyz:factory")
