@@ -10,10 +10,12 @@ import torch
 
 from .sampling.params import SamplingParams
 
-# A sampler the engine hands to the MTP hook: (logits [B, V], codebook index) -> tokens [B].
-# It applies each row's own MTP sampling parameters and counter-based noise, so the
-# model never sees seeds, generators or request ids.
-CodebookSampler = Callable[[torch.Tensor, int], torch.Tensor]
+# A sampler the engine hands to the MTP hook: (logits [B, V], codebook index[, params]) ->
+# tokens [B]. It applies each row's own MTP sampling parameters (or `params`, a draw whose
+# parameters the model owns, e.g. MOSS's stop head, sampled as codebook index Q) and
+# counter-based noise keyed by (seed, frame, codebook), so the model never sees seeds,
+# generators or request ids.
+CodebookSampler = Callable[..., torch.Tensor]
 
 
 @attrs.frozen
@@ -49,6 +51,9 @@ class ModelSpec:
     # slot, appended over time with engine.feed(); see FEED_* columns below.
     feed_capacity: int = 0
     feed_width: int = 0  # width of one fed row (0: hidden_size); the model's text_step projects it
+    # Width of forward()'s output rows when it is not hidden_size (a model carrying side
+    # channels to its heads): what the deferred schedule caches per slot between steps.
+    forward_width: int = 0
 
     @property
     def has_mtp(self) -> bool:

@@ -26,6 +26,13 @@ _FLAG_DIM = 0
 _PROGRESS_DIM = 1
 _FLAG_VALUE = 4.0
 _STOP_FRACTION = 0.25
+_STOP_GAIN = 8.0
+# The two schedules (chosen per instance): "current" publishes a frame in the step that sampled
+# it (upstream mrv2_eager_mtp); "deferred" runs its MTP at the start of the next step from the
+# cached hidden state (upstream's canonical MossLocalModelState path). Same frames, one step apart.
+SCHEDULES = {"current": "mtp_stop", "deferred": "mtp_stop_deferred"}
+# Upstream's sampling of the binary continue/stop head (not the request's, not the audio's).
+STOP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=1.0)
 
 
 class MossTTSLocalTalker(TalkerModel):
@@ -44,7 +51,9 @@ class MossTTSLocalTalker(TalkerModel):
 
     def __init__(self, config: MossTTSLocalConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", tokenizer: TextTokenizer | None = None,
-                 init_weights: bool = True):
+                 init_weights: bool = True, schedule: str = "current"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -68,7 +77,7 @@ class MossTTSLocalTalker(TalkerModel):
         self._spec = ModelSpec(
             name="moss_tts_local", hidden_size=config.hidden_size, num_codebooks=config.n_vq,
             backbone_vocab_size=config.audio_vocab_size, codebook_size=config.audio_vocab_size,
-            eos_token_id=None, max_context=config.max_context, dtype=dtype, variant="mtp_stop",
+            eos_token_id=None, max_context=config.max_context, dtype=dtype, variant=SCHEDULES[schedule],
             cb0_sampling=MOSS_AUDIO_SAMPLING, mtp_sampling=MOSS_AUDIO_SAMPLING,
         )
 
@@ -120,6 +129,8 @@ class MossTTSLocalTalker(TalkerModel):
         dims = [_FLAG_DIM, _PROGRESS_DIM]
         m.transformer.embed_tokens.weight[:, dims] = 0
         m.transformer.embed_tokens.weight[cfg.audio_assistant_slot_token_id, _FLAG_DIM] = _FLAG_VALUE
+        # The prompt's last row carries FLAG too, so the first sampled stop is a clear "continue".
+        m.transformer.embed_tokens.weight[cfg.audio_start_token_id, _FLAG_DIM] = _FLAG_VALUE
         for table in m.audio_embeddings:
             table.weight[:, dims] = 0
         for layer in m.transformer.layers:
@@ -137,8 +148,10 @@ class MossTTSLocalTalker(TalkerModel):
                 proj.bias[dims] = 0
         head = m.local_text_lm_head.weight
         head.zero_()
-        head[STOP, _PROGRESS_DIM] = 1.0
-        head[STOP, _FLAG_DIM] = -1.0
+        # A large gain: the stop is sampled (temperature 1), so far from the threshold the
+        # margin must make "continue" near certain, and past it "stop".
+        head[STOP, _PROGRESS_DIM] = _STOP_GAIN
+        head[STOP, _FLAG_DIM] = -_STOP_GAIN
 
     # ---------------------------------------------------------------- admission
 
@@ -224,12 +237,14 @@ class MossTTSLocalTalker(TalkerModel):
     def mtp(self, hidden: torch.Tensor, cb0: torch.Tensor, sample: CodebookSampler) -> MtpResult:
         """Codebooks 1..n_vq-1 (sample(logits, g) once per g, in order) and the stop flag.
 
-        Upstream samples the binary head (temperature 1); the engine contract has no per-row
-        noise for it, so the decision here is deterministic: stop iff stop logit > continue."""
+        The stop is sampled from the binary head as upstream does (temperature 1, top-k 50,
+        top-p 1: argmax would be biased toward continue), through the engine's sampler as
+        codebook index n_vq with those model-owned parameters, so it is seeded per request
+        like every other draw."""
         cb0 = cb0.long()
         local0, cache = self.module.local_start(hidden.to(self.dtype), self._local_cos, self._local_sin)
         binary = self.module.local_text_lm_head(local0)
-        stop = binary[:, STOP] > binary[:, CONTINUE]
+        stop = sample(binary, self.spec.num_codebooks, STOP_SAMPLING) == STOP
         rest = self.module.generate_rest(cache, cb0, sample, self._local_cos, self._local_sin)
         return MtpResult(codes=torch.cat([cb0[:, None], rest], dim=1), stop=stop)
 

@@ -13,7 +13,7 @@ from ..lifecycle import (
     lifecycle_for, prompt_done,
 )
 from ..lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES, RULE_REASON
-from ..model_api import TalkerModel
+from ..model_api import MtpResult, TalkerModel
 from ..sampling import SamplingParams
 from .rowsample import RowSampler, faulty_rows
 
@@ -161,16 +161,19 @@ class _PerRequestDriver:
         if self.spec.has_mtp:
             mtp_bad = torch.zeros(len(rows), dtype=torch.bool)
 
-            def sample(mtp_logits: torch.Tensor, codebook: int) -> torch.Tensor:
+            def sample(mtp_logits: torch.Tensor, codebook: int, params=None) -> torch.Tensor:
                 mtp_bad.logical_or_(faulty_rows(mtp_logits))
                 return torch.stack([
-                    self.mtp_sampler(mtp_logits[i], req.mtp, req.seed, self.num_frames(rid), codebook)
+                    self.mtp_sampler(mtp_logits[i], params or req.mtp, req.seed, self.num_frames(rid), codebook)
                     for i, (rid, req) in enumerate(zip(rows, reqs))
                 ])
 
             codes = self.model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
-            for rid, bad in zip(rows, mtp_bad.tolist()):
-                self.run_phase(rid, Phase.MTP, lambda _: {Predicate.MTP_FAULT: bad})
+            stops = [False] * len(rows)
+            if isinstance(codes, MtpResult):  # variant mtp_stop: the MTP hook also decides the stop
+                codes, stops = codes.codes, codes.stop.tolist()
+            for rid, bad, stop in zip(rows, mtp_bad.tolist(), stops):
+                self.run_phase(rid, Phase.MTP, lambda _: {Predicate.MTP_FAULT: bad, Predicate.MTP_STOP: stop})
         else:
             codes = cb0[:, None]  # single codebook: CB0 is the whole frame, no MTP stages
         embeds = self.model.frame_embed(codes)

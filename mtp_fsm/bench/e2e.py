@@ -84,6 +84,7 @@ def run_engine(model, requests: Sequence[NewRequest], prompt_lens: dict[str, int
             done[fin.request_id] = now
             reasons[fin.request_id] = fin.reason.label
     wall = time.perf_counter() - t0
+    engine.close()  # the model binds to one live engine; the next run builds its own
     return RunResult(wall, steps, frames, first, admitted, done, reasons)
 
 

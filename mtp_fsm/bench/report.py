@@ -53,6 +53,46 @@ def markdown_table(results: dict) -> str:
     return note + "\n\n" + _sweep_table(life["sweep"], designs)
 
 
+def _step_cells(row: dict | None) -> list[str]:
+    if not row or "median_ms" not in row:
+        return ["–", "–"]
+    return [f"{row['median_ms']:.2f} ({row['p10_ms']:.2f}–{row['p90_ms']:.2f})", f"{row['frames_per_s']:.0f}"]
+
+
+def models_table(section: dict) -> str:
+    """Per talker of `models/` (tiny seeded demo sizes): lifecycle variant, its declared states
+    and edges, the engine's decode step at the smallest and largest batch, the per-frame ratio."""
+    sizes = [int(b) for b in section["batch_sizes"]]
+    lo, hi = sizes[0], sizes[-1]
+    note = (
+        f"Engine decode step per talker (`LockstepEngine(model, max_slots={section['max_slots']}, "
+        f"kernels=\"{section['kernels']}\")`, tiny seeded demo weights, request sampling T=0.9 top-k 50 unless the model fixes its own), "
+        f"B={lo} and B={hi} stepped alternately; timed steps are decode-only (every request held decoding; "
+        "an ended request is replaced, its prefill step untimed); median ms (p10–p90); "
+        f"per-frame ×: (step / frames) at B={hi} ÷ the same at B={lo}."
+    )
+    head = (f"| model | lifecycle variant | states | edges | B={lo} ms/step | B={lo} frames/s | B={hi} ms/step | "
+            f"B={hi} frames/s | rows decoding at B={hi} | per-frame B={hi} / B={lo} | steps |")
+    lines = [note, "", head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, m in section["models"].items():
+        if "skipped" in m:
+            lines.append(f"| {name} | skipped: {m['skipped'].replace('|', '/')} | | | | | | | | | |")
+            continue
+        by_b = {int(b): r for b, r in m["batches"].items()}
+        rows = by_b.get(hi, {}).get("rows_decoding")
+        rows_cell = "–" if not rows else (f"{rows['median']:g}" if rows["min"] == rows["max"]
+                                          else f"{rows['median']:g} ({rows['min']}–{rows['max']})")
+        ratio = m.get("per_frame_ratio")
+        problems = [f"B={b}: {r['problem']}" for b, r in by_b.items() if "problem" in r]
+        lines.append(
+            f"| {name} | {m['variant']} | {m['states']} | {m['edges']} | " + " | ".join(_step_cells(by_b.get(lo)))
+            + " | " + " | ".join(_step_cells(by_b.get(hi))) + f" | {rows_cell} | "
+            + ("–" if ratio is None else f"{ratio:.3f}×") + f" | {m.get('steps', '–')} |"
+        )
+        lines += [f"|  | problem: {p.replace('|', '/')} | | | | | | | | | |" for p in problems]
+    return "\n".join(lines)
+
+
 README_BEGIN = "<!-- bench-table:begin -->"
 README_END = "<!-- bench-table:end -->"
 
@@ -62,7 +102,10 @@ def update_readme(path: str, results: dict) -> bool:
     returns whether the file changed (MarkedBlockError when the markers are missing)."""
     m = results["machine"]
     stamp = f"{m.get('date', '')} · {m.get('cpu', '')} · {m.get('cores', '')} cores · torch {m.get('torch', '')}"
-    return replace_marked_block(path, README_BEGIN, README_END, f"_From `make bench`, {stamp}._\n\n{markdown_table(results)}")
+    body = f"_From `make bench`, {stamp}._\n\n{markdown_table(results)}"
+    if results.get("models"):
+        body += "\n\n" + models_table(results["models"])
+    return replace_marked_block(path, README_BEGIN, README_END, body)
 
 
 def _counts_table(counts: dict) -> str:
@@ -188,6 +231,21 @@ def markdown_report(results: dict) -> str:
     if profile:
         out += ["", "## Where an engine step's time goes (exclusive ms per group, mean over steps)", "", _split_table(profile)]
         out += ["", *[f"- {line}" for line in profile.get("findings", [])]]
+    models = results.get("models")
+    if models:
+        out += ["", "## Engine step per talker model (tiny demo sizes)", "", models_table(models)]
+        details = []
+        for name, m in models["models"].items():
+            if "skipped" in m:
+                continue
+            for b, r in m["batches"].items():
+                extra = [f"{k} {r[k]}" for k in ("refills", "starved_fed", "feed_rows") if r.get(k)]
+                if r.get("finish_reasons"):
+                    extra.append("finishes " + ", ".join(f"{k} {v}" for k, v in r["finish_reasons"].items()))
+                if extra:
+                    details.append(f"- {name} B={b}: " + "; ".join(extra))
+        if details:
+            out += ["", "Requests replaced or fed during the measurement:", "", *details]
     e2e = results.get("e2e")
     if e2e:
         out += ["", f"## End to end: tiny Qwen3-TTS ({e2e['dtype']}, max {e2e['max_frames']} frames, {e2e['sampling']})",

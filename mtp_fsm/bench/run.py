@@ -17,7 +17,7 @@ from .._util.threads import torch_threads
 from .counters import constant_in_batch, count_call, engine_counts_by_batch
 from .drivers import DRIVERS, make_requests
 from .null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
-from .report import markdown_report, markdown_table, plot_step_time, update_readme
+from .report import markdown_report, markdown_table, models_table, plot_step_time, update_readme
 from .timing import PROMPT_LEN, bench_engine_scaling, bench_sweep
 
 BATCH_SIZES = (1, 8, 64, 256, 1024)
@@ -164,7 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=8.0, help="seconds of timed steps per batch size")
     parser.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=BATCH_SIZES)
     parser.add_argument("--naive-max-batch", type=int, default=None, help="skip the naive designs above this batch")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: real_vocab,breakdown,counts,profile,e2e")
+    parser.add_argument("--skip", default="",
+                        help="comma list of parts to skip: real_vocab,breakdown,counts,profile,models,e2e")
+    parser.add_argument("--models", default="",
+                        help="comma list of talkers for the per-model step (short names or 'pkg.module:factory'; "
+                             "default: every model in models/)")
+    parser.add_argument("--model-budget", type=float, default=6.0,
+                        help="seconds of timed steps per model (both batch sizes together)")
     parser.add_argument("--e2e-model", default="models.qwen3_tts", help="import path of the tiny talker package")
     parser.add_argument("--e2e-max-frames", type=int, default=32)
     parser.add_argument("--readme", default="README.md",
@@ -197,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         if "profile" not in skip:
             log("engine step split:")
             results["profile"] = run_profile(cfg, log)
+        if "models" not in skip:
+            from .model_step import MODEL_BATCH_SIZES, bench_models
+
+            log(f"engine step per talker model (B={', '.join(map(str, MODEL_BATCH_SIZES))}):")
+            names = [n for n in args.models.split(",") if n] or None
+            results["models"] = bench_models(names, MODEL_BATCH_SIZES, budget_s=args.model_budget, log=log)
         if "e2e" not in skip:
             from .e2e import bench_e2e
 
@@ -212,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         plot_step_time(results, os.path.join(args.out_dir, "step_time.png"))
     log("")
     log(markdown_table(results))
+    if results.get("models"):
+        log("")
+        log(models_table(results["models"]))
     for t in results["targets"]:
         log(f"target {t['name']}: {t['measured']:.2f} -> {'met' if t['met'] else 'MISSED'}")
     log(f"wrote {args.out_dir}/results.json, results.md, step_time.png in {results['wall_s']:.0f} s")

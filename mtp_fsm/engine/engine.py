@@ -12,14 +12,15 @@ from ..errors import EngineInvariantError, ModelBindingError
 from ..kernels import select_backend
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID, StagedEvents
 from ..lifecycle import (
-    FinishReason, LifecycleCompileError, Oracle, Phase, Predicate, Trigger, compile_lifecycle, lifecycle_for,
+    FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for,
 )
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import FEED_COUNT, FEED_DONE, FEED_ROWS, MtpResult, PreparedPrompt, TalkerModel, feed_columns
+from ..model_api import PreparedPrompt, TalkerModel, feed_columns
 from ..sampling import describe_fault
 from ..slots import SlotTable
 from .feed import ConditioningFeed
 from .ledger import HostStep, Ledger
+from .pipeline import DevicePipeline, deferred_columns
 from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
 
@@ -94,7 +95,7 @@ class LockstepEngine:
                                         + "; ".join(params.problems()))
         self._lc = self.compiled.to(self.device)
         self.kernels = select_backend(kernels, self.device)
-        self.table = SlotTable.allocate(max_slots, self.spec, self.device, {**model.slot_columns(), **feed_columns(self.spec)})
+        self.table = SlotTable.allocate(max_slots, self.spec, self.device, {**model.slot_columns(), **feed_columns(self.spec), **deferred_columns(self.spec, self.lifecycle)})
         self.oracle = Oracle(self.lifecycle)
         self.ledger = Ledger(model, self.table, self.oracle, self.compiled)
         self.scheduler = Scheduler(self.ledger, policy or SchedulingPolicy())
@@ -107,7 +108,7 @@ class LockstepEngine:
         self._text_step = _model_call(model, "text_step")
         self._reset_slots = _model_call(model, "reset_slots")
         self._allowed = self._cb0_allowed()
-        self._reads_mtp_stop = Predicate.MTP_STOP in self.lifecycle.predicates_read()
+        self._pipeline = DevicePipeline(self)
         self.step_count = 0
 
     def _cb0_allowed(self) -> torch.Tensor:
@@ -269,36 +270,7 @@ class LockstepEngine:
 
     def _run_rows(self, host: HostStep) -> torch.Tensor:
         """Stages 2-5 over the step's rows; returns the packed output (+ a global error row)."""
-        k, table, lc = self.kernels, self.table, self._lc
-        batch = host.batch
-        width = OUT_CODES + self.spec.num_codebooks
-        if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
-            packed = torch.zeros(batch.num_rows, width, dtype=torch.int64, device=self.device)
-        else:
-            inputs, positions, token_slots = k.compose_inputs(table, lc, batch, self._text_step)
-            hidden = self._forward(inputs, positions, token_slots)
-            last_hidden = hidden[batch.last_token]
-            logits = self._cb0_logits(last_hidden)
-            cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
-            if self._mtp is not None:
-                sample, mtp_faults = k.mtp_sampler(table, batch)
-                codes = self._mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
-                stop = None
-                if isinstance(codes, MtpResult):
-                    if not self._reads_mtp_stop:
-                        raise EngineInvariantError(
-                            f"model {self.spec.name!r} returned an MtpResult (an MTP-decided stop) but lifecycle "
-                            f"{self.lifecycle.name!r} has no edge reading mtp_stop: use variant 'mtp_stop'")
-                    codes, stop = codes.codes, codes.stop
-                k.mtp_scatter(table, lc, batch, mtp_faults, stop)
-            else:
-                codes = cb0[:, None]
-            packed = k.publish_frames(table, lc, batch, codes, self._frame_embed(codes))
-        # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
-        # this step still surfaces in the same copy.
-        global_row = torch.zeros(1, width, dtype=torch.int64, device=self.device)
-        global_row[0, OUT_ERROR] = table.error[: table.max_slots].amax()
-        return torch.cat([packed, global_row])
+        return self._pipeline.run(host.batch)
 
     def _fail_step(self, host: HostStep, exc: BaseException) -> StepOutput:
         detail = f"model raised during step {self.step_count}: {exc!r}"

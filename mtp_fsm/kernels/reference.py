@@ -17,7 +17,7 @@ import torch
 
 from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
 from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
-from ..sampling import FAULT_CODEBOOK_SHIFT, frame_key, gumbel_noise_codebooks, sample_tokens
+from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 
@@ -213,11 +213,17 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         block = drawn[vocab]
         return block[codebook - 1] if block is not None and 1 <= codebook <= count else None
 
-    def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
+    def sample(logits: torch.Tensor, codebook: int, params: SamplingParams | None = None) -> torch.Tensor:
+        if params is None:  # each row's own MTP parameters
+            t, k, p, filters = temperature, top_k, top_p, batch.mtp_filters
+            k_max, any_p = batch.mtp_top_k_max, batch.mtp_any_top_p
+        else:  # a draw whose parameters the model owns (e.g. MOSS's stop head), same for every row
+            t, k, p = (torch.full_like(c, v) for c, v in ((temperature, params.temperature), (top_k, params.top_k),
+                                                          (top_p, params.top_p)))
+            filters, k_max, any_p = params.filters, params.top_k, params.top_p < 1.0
         tokens, kind = sample_tokens(
-            logits, temperature, top_k, top_p, seed, frame_index, codebook, apply_filters=batch.mtp_filters,
-            key=key, top_k_max=batch.mtp_top_k_max, any_top_p=batch.mtp_any_top_p,
-            noise=noise_for(codebook, logits.shape[-1]),
+            logits, t, k, p, seed, frame_index, codebook, apply_filters=filters,
+            key=key, top_k_max=k_max, any_top_p=any_p, noise=noise_for(codebook, logits.shape[-1]),
         )
         # Keep the lowest bad codebook, whatever order the hook samples them in.
         first = (kind != 0) & ((faults == 0) | ((faults >> FAULT_CODEBOOK_SHIFT) > int(codebook)))

@@ -33,6 +33,7 @@ import torch
 import triton  # ImportError when Triton is missing: the backend selector reports it
 
 from ..lifecycle import DeviceLifecycle, Phase
+from ..sampling import SamplingParams
 from ..sampling.noise import gumbel_table
 from ..sampling.topp import fixed_tables
 from ..slots import SlotTable
@@ -278,7 +279,7 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     faults = torch.zeros(rows, dtype=torch.int32, device=slot.device)
     filters = bool(batch.mtp_filters)
 
-    def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
+    def sample(logits: torch.Tensor, codebook: int, params: SamplingParams | None = None) -> torch.Tensor:
         n, vocab = logits.shape
         tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
         if n == 0:
@@ -288,10 +289,15 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         noise = gumbel_table(logits.device)
         hi, lo = fixed_tables(logits.device)
         tile = _row_tile(n, 1)
+        columns, apply = (table.mtp_temperature, table.mtp_top_k, table.mtp_top_p), filters
+        if params is not None:  # a model-owned draw (e.g. MOSS's stop head): one value for every slot
+            columns = tuple(torch.full_like(c, v) for c, v in zip(columns, (params.temperature, params.top_k,
+                                                                          params.top_p)))
+            apply = params.filters
         K.sample_mtp_kernel[(triton.cdiv(n, tile),)](
-            slot, n, table.num_frames, table.seed, table.mtp_temperature, table.mtp_top_k, table.mtp_top_p,
+            slot, n, table.num_frames, table.seed, *columns,
             logits, logits.stride(0), vocab, int(codebook), noise, hi, lo, tokens, faults,
-            APPLY_FILTERS=filters, BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
+            APPLY_FILTERS=apply, BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
         )
         return tokens
 

@@ -191,7 +191,10 @@ def _check_stages(spec: LifecycleSpec, edges: dict) -> None:
             if name < other and getattr(classes, name) & getattr(classes, other):
                 raise LifecycleCompileError(f"{spec.name}: state classes {name} and {other} overlap")
     possible = set(classes.live | classes.terminal)  # what a step may schedule
-    order = sorted(spec.stages, key=lambda s: s.phase)
+    if sorted(spec.phase_order) != sorted(Phase):
+        raise LifecycleCompileError(f"{spec.name}: phase order {[p.label for p in spec.phase_order]} must name "
+                                    "every phase once")
+    order = sorted(spec.stages, key=lambda s: spec.phase_order.index(s.phase))
     if [s.name for s in order] != [s.name for s in spec.stages]:
         raise LifecycleCompileError(f"{spec.name}: stages must be declared in pipeline phase order")
     for stage in spec.stages:

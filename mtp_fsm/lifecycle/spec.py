@@ -23,6 +23,7 @@ class State(enum.IntEnum):
     ABORTED = 7  # terminal: client cancel or error
     PREEMPTED = 8  # slot released, resumable
     STARVED = 9  # holds its slot, not schedulable: the conditioning row its next step reads has not arrived
+    PENDING = 10  # deferred schedule: CB0 sampled, hidden cached; the frame's MTP runs first thing next step
 
     @property
     def label(self) -> str:
@@ -119,6 +120,14 @@ class LifecycleSpec:
     stages: tuple[Stage, ...]
     classes: StateClasses
     host_triggers: frozenset[Trigger]
+    # The order a step runs the phases in. (MTP, PUBLISH, SAMPLE) is the deferred schedule:
+    # a frame's MTP runs at the start of the step after its CB0 was sampled, from the hidden
+    # state cached then, and the frame is published before the step's own forward.
+    phase_order: tuple[Phase, ...] = (Phase.SAMPLE, Phase.MTP, Phase.PUBLISH)
+
+    @property
+    def deferred(self) -> bool:
+        return self.phase_order[0] is Phase.MTP
 
     @property
     def states(self) -> tuple[State, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import attrs
+
 from .predicates import ALWAYS, Guard, Phase
 from .spec import FinishReason, LifecycleSpec, Stage, State, StateClasses, Transition, Trigger
 
@@ -109,6 +111,32 @@ def mtp_stop_lifecycle() -> LifecycleSpec:
     )
 
 
+def mtp_stop_deferred_lifecycle() -> LifecycleSpec:
+    """mtp_stop on the deferred schedule (MOSS-TTS Local's canonical path): the step that
+    samples CB0 caches the hidden state and rests the row in `pending`; the next step first
+    runs that frame's MTP and publishes it, then computes its own token. Same frames as
+    mtp_stop, each one step later."""
+    fault, stop, live = "mtp_fault", "mtp_stop", (*_LIVE, _S.PENDING)
+    transitions = [
+        Transition(_T.ADMIT, (_S.FREE,), _S.WAITING),
+        Transition(_T.PREEMPT, live, _S.PREEMPTED),
+        Transition(_T.RESUME, (_S.PREEMPTED,), _S.WAITING),
+        Transition(_T.ABORT, (*live, _S.PREEMPTED), _S.ABORTED),
+        Transition(_T.RELEASE, (_S.FINISHED, _S.ABORTED, _S.PREEMPTED), _S.FREE),
+        Transition(_T.MTP, (_S.PENDING,), _S.FRAME_READY, Guard(unless=(fault, stop))),
+        Transition(_T.MTP_FAIL, (_S.PENDING,), _S.ABORTED, Guard(when=(fault,)), FinishReason.ERROR),
+        Transition(_T.MTP_STOP, (_S.PENDING,), _S.FINISHED, Guard(when=(stop,), unless=(fault,)), FinishReason.EOS),
+        *_publication(),
+        *_intake(_S.PENDING),
+    ]
+    stages = (Stage("mtp", Phase.MTP, (_T.MTP, _T.MTP_FAIL, _T.MTP_STOP)), *_PUBLISH_STAGES, _INTAKE_STAGE)
+    classes = attrs.evolve(CLASSES, live=CLASSES.live | {_S.PENDING}, in_step=frozenset({_S.FRAME_READY}))
+    return LifecycleSpec(
+        "mtp_stop_deferred", "MTP-decided stop on the deferred schedule (MOSS-TTS Local canonical)",
+        tuple(transitions), stages, classes, HOST_TRIGGERS, phase_order=(Phase.MTP, Phase.PUBLISH, Phase.SAMPLE),
+    )
+
+
 def conditioned_lifecycle() -> LifecycleSpec:
     """Current-step MTP whose text step reads an external conditioning feed (Qwen3-Omni
     thinker rows): a decoding request whose next row has not arrived rests in `starved`."""
@@ -127,8 +155,17 @@ def conditioned_lifecycle() -> LifecycleSpec:
 
 VARIANTS = {
     "mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle, "mtp_stop": mtp_stop_lifecycle,
-    "conditioned": conditioned_lifecycle,
+    "conditioned": conditioned_lifecycle, "mtp_stop_deferred": mtp_stop_deferred_lifecycle,
 }
+
+
+# Each deferred variant and the current-step variant whose frames it publishes one step later.
+CURRENT_STEP_TWIN = {"mtp_stop_deferred": "mtp_stop"}
+
+
+def current_step_twin(spec: LifecycleSpec) -> LifecycleSpec:
+    """The current-step variant a reference runs for `spec` (itself unless deferred)."""
+    return VARIANTS[CURRENT_STEP_TWIN[spec.name]]() if spec.deferred else spec
 
 
 def lifecycle_for(name: str) -> LifecycleSpec:

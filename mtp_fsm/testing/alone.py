@@ -27,6 +27,11 @@ def scripted_mtp_stop() -> ScriptedTalker:
     return ScriptedTalker(dtype=torch.float64, variant="mtp_stop")
 
 
+def scripted_mtp_stop_deferred() -> ScriptedTalker:
+    """scripted_mtp_stop on the deferred schedule (variant mtp_stop_deferred)."""
+    return ScriptedTalker(dtype=torch.float64, variant="mtp_stop_deferred")
+
+
 def scripted_conditioned() -> ScriptedTalker:
     """The 4-codebook scripted talker whose text step reads a conditioning feed (variant conditioned)."""
     return ScriptedTalker(dtype=torch.float64, variant="conditioned")
@@ -115,7 +120,7 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
 def check_script(inputs: ScriptInputs, run: AloneRun, spec) -> None:
     """The alone run is itself an engine run: hold it to the script, so an engine that
     ignored a forced EOS or NaN everywhere would not agree with itself unnoticed."""
-    stop_in_mtp = spec.lifecycle == "mtp_stop"
+    stop_in_mtp = spec.lifecycle in ("mtp_stop", "mtp_stop_deferred")
 
     def forced(f: int) -> str | None:
         if inputs.eos_at == f and not stop_in_mtp:

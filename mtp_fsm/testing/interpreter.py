@@ -143,6 +143,9 @@ def interpret(model: TalkerModel, lifecycle_spec: LifecycleSpec, definition: Req
 
 
 def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneRun:
+    if life.deferred:
+        raise ValueError(f"the interpreter runs current-step lifecycles; {life.name!r} publishes the frames of its "
+                         "current-step twin (lifecycle.variants.current_step_twin) one step later")
     spec = model.spec
     walk = _Walk(life)
     prepared = model.prepare(d.inputs)
@@ -187,10 +190,10 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         if walk.state in life.classes.in_step and has_mtp_stage:
             mtp_faults: dict[int, int] = {}  # codebook -> fault kind of its bad row
 
-            def sample(logits: torch.Tensor, codebook: int) -> torch.Tensor:
+            def sample(logits: torch.Tensor, codebook: int, params: SamplingParams | None = None) -> torch.Tensor:
                 tokens = []
                 for row in logits:
-                    token, kind = sample_row(row, mtp_params, d.seed, len(frames), codebook)
+                    token, kind = sample_row(row, params or mtp_params, d.seed, len(frames), codebook)
                     if kind != FAULT_OK:
                         mtp_faults.setdefault(codebook, kind)
                     tokens.append(token)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..lifecycle import LifecycleSpec, lifecycle_for
+from ..lifecycle.variants import current_step_twin
 from ..model_api import PreparedPrompt, TalkerModel
 from .alone import AloneRun, ModelFactory, RequestDef, check_script
 from .interpreter import interpret
@@ -29,7 +30,8 @@ class ReferenceRuns:
         run = self._runs.get(definition)
         if run is None:
             model = self.model_factory()  # a fresh model: its slot state is the interpreter's alone
-            spec = self._lifecycle or lifecycle_for(model.spec.lifecycle)
+            # A deferred schedule publishes its current-step twin's frames (one step later).
+            spec = current_step_twin(self._lifecycle or lifecycle_for(model.spec.lifecycle))
             run = self._runs[definition] = interpret(model, spec, definition)
             if self._lifecycle is None and isinstance(definition.inputs, ScriptInputs):
                 check_script(definition.inputs, run, model.spec)

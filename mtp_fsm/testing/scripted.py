@@ -54,13 +54,14 @@ class ScriptedTalker(TalkerModel):
         variant: str | None = None,
     ) -> None:
         # Under "mtp_stop" the MTP hook, not CB0, carries the scripted stop (eos_at).
-        self.mtp_stops = variant == "mtp_stop"
+        self.mtp_stops = variant in ("mtp_stop", "mtp_stop_deferred")
         self.conditioned = variant == "conditioned"  # the text step reads the feed columns
         eos = None if self.mtp_stops else codebook_size + 2 if num_codebooks > 1 else codebook_size
         self.spec = ModelSpec(
             name="scripted", hidden_size=hidden_size, num_codebooks=num_codebooks,
             backbone_vocab_size=codebook_size + 4, codebook_size=codebook_size, eos_token_id=eos,
             max_context=max_context, dtype=dtype, variant=variant, feed_capacity=max_context if self.conditioned else 0,
+            forward_width=hidden_size + 2,  # the hidden row + the scripted EOS / MTP-NaN flags
         )
         g = torch.Generator().manual_seed(seed)
         h, v, q = hidden_size, codebook_size, num_codebooks

@@ -23,7 +23,7 @@ from mtp_fsm.kernels import reference as REF  # noqa: E402
 from mtp_fsm.kernels import triton_kernels as TK  # noqa: E402
 from mtp_fsm.kernels.contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch  # noqa: E402
 from mtp_fsm.lifecycle import (  # noqa: E402
-    DeviceLifecycle, Phase, Predicate, State, Trigger, compile_lifecycle, mtp_lifecycle, single_codebook_lifecycle,
+    VARIANTS, DeviceLifecycle, Phase, Predicate, State, Trigger, compile_lifecycle, mtp_lifecycle, single_codebook_lifecycle,
 )
 from mtp_fsm.model_api import ColumnSpec, ModelSpec  # noqa: E402
 from mtp_fsm.sampling import SamplingParams  # noqa: E402
@@ -325,6 +325,10 @@ def test_mtp_sampler(seed, logit_dtype, rows, filters, vocab):
     for codebook in codebooks:
         logits = _logits(g, rows, vocab, logit_dtype)
         assert_same(s_ref(logits, codebook), s_tri(logits, codebook), f"codebook {codebook}")
+    # A model-owned draw (MOSS's stop head): the same parameters for every row, any codebook index.
+    own = SamplingParams(temperature=1.0, top_k=int(_ints(g, 0, 4, 1)), top_p=0.9 if seed % 3 else 1.0)
+    logits = _logits(g, rows, 2 + seed % 7, logit_dtype)
+    assert_same(s_ref(logits, Q + 1, own), s_tri(logits, Q + 1, own), "model-owned draw")
     assert_same(fault_ref, fault_tri, "mtp fault words")
     assert_tables(ref, tri)
 

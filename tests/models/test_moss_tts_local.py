@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.moss_tts_local.adapter import STOP_SAMPLING
 from models.moss_tts_local import (
     MOSS_AUDIO_SAMPLING,
     CheckpointError,
@@ -37,7 +38,7 @@ def _one_thread():
         yield
 
 
-def greedy(logits: torch.Tensor, g: int) -> torch.Tensor:
+def greedy(logits: torch.Tensor, g: int, params=None) -> torch.Tensor:
     return logits.argmax(-1)
 
 
@@ -124,7 +125,12 @@ def test_mtp_samples_codebooks_1_to_11_in_order():
     seen: list[tuple[int, tuple[int, ...]]] = []
     logits_at: dict[int, torch.Tensor] = {}
 
-    def recording(logits: torch.Tensor, g: int) -> torch.Tensor:
+    stop_draws = []
+
+    def recording(logits: torch.Tensor, g: int, params=None) -> torch.Tensor:
+        if g == 12:  # the stop head: sampled with the model's own parameters, as codebook index n_vq
+            stop_draws.append((tuple(logits.shape), params))
+            return torch.zeros(logits.shape[0], dtype=torch.long)  # continue
         seen.append((g, tuple(logits.shape)))
         logits_at[g] = logits.clone()
         return torch.full((logits.shape[0],), 10 * g, dtype=torch.long)
@@ -132,13 +138,14 @@ def test_mtp_samples_codebooks_1_to_11_in_order():
     cb0 = torch.tensor([1, 2, 3])
     result = model.mtp(hidden, cb0, recording)
     assert seen == [(g, (3, 1024)) for g in range(1, 12)]
+    assert stop_draws == [((3, 2), STOP_SAMPLING)] and not result.stop.any()
     assert torch.equal(result.codes[:, 0], cb0)
     assert torch.equal(result.codes[:, 1:], torch.arange(10, 120, 10).expand(3, -1))
     # Each position reads the previous codebook's code: the rows differ only in CB0, so
     # codebook 1's logits differ, and so do codebook 2's when codebook 1's code changes.
     assert not torch.equal(logits_at[1][0], logits_at[1][1])
     first1, first2 = logits_at[1].clone(), logits_at[2].clone()
-    changed = model.mtp(hidden, cb0, lambda lg, g: recording(lg, g) + (g == 1))
+    changed = model.mtp(hidden, cb0, lambda lg, g, params=None: recording(lg, g, params) + (g == 1))
     assert torch.equal(changed.codes[:, 1], torch.full((3,), 11))
     assert torch.equal(logits_at[1], first1) and not torch.equal(logits_at[2], first2)
 
@@ -167,8 +174,8 @@ def test_demo_requests_stop_on_their_own():
         counts[text] = frames.shape[0]
     gen = torch.Generator().manual_seed(0)
 
-    def sampled(logits, g):
-        probs = torch.softmax(logits / 1.7, -1)
+    def sampled(logits, g, params=None):
+        probs = torch.softmax(logits / (1.0 if params is not None else 1.7), -1)
         return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
     frames, _ = run_direct(model, "Hello, mtp_fsm.", sample=sampled)
@@ -458,3 +465,25 @@ def test_engine_ignores_request_sampling_for_fixed_audio_sampling():
     frames = [out[rid].codes() for rid in texts]
     assert frames[0].shape[0] > 0
     assert all(torch.equal(frames[0], f) for f in frames[1:])
+
+
+def test_deferred_schedule_publishes_the_same_frames_one_step_later():
+    from mtp_fsm.engine import LockstepEngine, NewRequest
+    from models.moss_tts_local import text_inputs, tiny_demo_talker
+
+    def run(schedule):
+        engine = LockstepEngine(tiny_demo_talker(schedule=schedule), 3, kernels="torch")
+        for i, text in enumerate(("Hi", "Hello, mtp_fsm.", "abc")):
+            engine.add_request(NewRequest(f"r{i}", text_inputs(text), 40, i))
+        log, step = [], 0
+        while (out := engine.step()) is not None:
+            log += [(step, f.request_id, f.index, tuple(f.codes.tolist())) for f in out.frames]
+            log += [(step, f.request_id, f.reason.label) for f in out.finished]
+            step += 1
+        return sorted(log)
+
+    current, deferred = run("current"), run("deferred")
+    assert deferred == sorted((s + 1, *rest) for s, *rest in current)
+    assert {e[2] for e in current if len(e) == 3} == {"eos"}
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        tiny_demo_talker(schedule="eager")
