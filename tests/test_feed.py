@@ -146,3 +146,23 @@ def test_feed_bad_input_is_refused_whole():
     plain.add_request(NewRequest("x", ScriptInputs((1,)), 2, 1))
     with pytest.raises(FeedError, match="takes no conditioning feed"):
         plain.feed("x", torch.zeros(1, h))
+
+
+def test_the_serving_loop_pauses_on_starved_requests_and_resumes_when_fed():
+    from mtp_fsm.serving import InMemorySink, ServingLoop
+
+    model = scripted_conditioned()
+    sink = InMemorySink()
+    loop = ServingLoop(LockstepEngine(model, 2, kernels="torch"), [sink])
+    feed = (3, 1, 4, 1, 5)
+    definition = RequestDef(ScriptInputs((2, 7), feed=feed), 6, 9)
+    loop.submit(definition.new_request("a", inputs=ScriptInputs((2, 7), feed=feed, feed_upfront=1)))
+    loop.run_until_idle()
+    assert loop.engine.requests() == {"a": "starved"} and loop.engine.waiting_for_feed == 1 and not loop.idle
+    for i in range(1, len(feed)):
+        loop.feed("a", model.feed_rows(feed[i:i + 1]), done=i == len(feed) - 1)
+        loop.run_until_idle()
+    ref = reference_runs(scripted_conditioned).get(definition)
+    assert [tuple(codes) for _, codes in sink.frames["a"]] == list(ref.frames)
+    assert sink.finished["a"].reason is ref.reason and loop.idle
+    assert max(loop.metrics.state_history()["starved"]) == 1

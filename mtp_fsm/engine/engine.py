@@ -175,6 +175,12 @@ class LockstepEngine:
         self.feeds.feed(request_id, rows, done)
 
     @property
+    def waiting_for_feed(self) -> int:
+        """Requests that cannot run until engine.feed brings a conditioning row (starved, or
+        preempted and not yet resumable)."""
+        return self.feeds.num_starved()
+
+    @property
     def idle(self) -> bool:
         """No request queued, running, preempted, awaiting release or pending an abort."""
         return self.scheduler.idle
@@ -209,7 +215,7 @@ class LockstepEngine:
             if self.scheduler.idle:
                 return None
             plan = self.scheduler.schedule()
-            if is_empty(plan) and self.feeds.num_starved():
+            if is_empty(plan) and self.waiting_for_feed:
                 return None  # nothing can run until engine.feed brings a missing conditioning row
             if is_empty(plan):
                 raise SchedulerStallError(

@@ -15,7 +15,9 @@ from .._util.stats import percentile
 from ..lifecycle import FinishReason
 
 # Columns of the per-step state counts, in plotting order; "finished" is cumulative.
-STATE_COLUMNS = ("queued", "waiting", "prefilling", "decoding", "preempted", "finished")
+# "pending" (deferred schedule) and "starved" (waiting for a conditioning row) exist only in
+# the variants that declare them.
+STATE_COLUMNS = ("queued", "waiting", "prefilling", "decoding", "pending", "starved", "preempted", "finished")
 
 # Default retention windows: finished-request records and step records kept for summaries and plots.
 DEFAULT_WINDOW = 10_000

@@ -8,7 +8,7 @@ from .metrics import STATE_COLUMNS, ServingMetrics
 
 _COLORS = {
     "queued": "#9e9e9e", "waiting": "#ffb74d", "prefilling": "#4fc3f7",
-    "decoding": "#1e88e5", "preempted": "#e53935", "finished": "#66bb6a",
+    "decoding": "#1e88e5", "pending": "#3949ab", "starved": "#8e24aa", "preempted": "#e53935", "finished": "#66bb6a",
 }
 
 

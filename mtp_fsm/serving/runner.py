@@ -75,6 +75,11 @@ class ServingLoop:
         produces the same frames); False when it is not running (queued, ended, unknown)."""
         return self.engine.preempt(request_id)
 
+    def feed(self, request_id: str, rows, *, done: bool = False) -> None:
+        """Conditioning rows for a request of a conditioned talker (Qwen3-Omni thinker rows);
+        a request starved for its next row runs again from the next step (engine.feed)."""
+        self.engine.feed(request_id, rows, done=done)
+
     # -- stepping ------------------------------------------------------------------------
 
     @property
@@ -82,7 +87,8 @@ class ServingLoop:
         return self.engine.idle
 
     def step(self) -> StepOutput | None:
-        """Plan and run one engine step; None when there is nothing left to do."""
+        """Plan and run one engine step; None when there is nothing to run now: every request
+        ended, or those left wait for conditioning rows (`engine.waiting_for_feed`)."""
         start = self.clock()
         output = self.engine.step()
         if output is None:
