@@ -102,13 +102,14 @@ class Attention(nn.Module):
         if self.bi:
             # Reductions along the last axis only: a row's bits do not depend on the batch
             # (BLAS picks different kernels for one row and for many).
-            scores = (q.unsqueeze(-2) * keys.unsqueeze(-4)).sum(-1)  # [..., KV, G, C]
+            # Query group g of KV head h meets KV head h: [..., KV, G, 1, D] x [..., KV, 1, C, D].
+            scores = (q.unsqueeze(-2) * keys.unsqueeze(-3)).sum(-1)  # [..., KV, G, C]
         else:
             scores = q @ keys.transpose(-1, -2)
         scores = (scores * self.scaling).masked_fill(~mask[..., None, None, :], float("-inf"))
         probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
         if self.bi:
-            out = (probs.unsqueeze(-2) * vals.transpose(-1, -2).unsqueeze(-4)).sum(-1)  # [..., KV, G, D]
+            out = (probs.unsqueeze(-2) * vals.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # [..., KV, G, D]
         else:
             out = probs @ vals
         return self.o_proj(out.flatten(-3))

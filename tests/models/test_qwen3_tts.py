@@ -337,3 +337,25 @@ def test_upstream_style_config_json():
     cfg = Qwen3TTSConfig.from_hf_dict(data)
     assert (cfg.hidden_size, cfg.text_hidden_size, cfg.max_context, cfg.text_tokenizer) == (1024, 2048, 4096, "qwen")
     assert cfg.code_predictor.rope_theta == 10000.0 and cfg.rope_theta == 1_000_000.0
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2), (4, 4), (4, 1)])
+def test_batch_invariant_attention_equals_the_matmul_path(heads, kv_heads):
+    """Grouped-query attention: the batch-invariant path (last-axis reductions) pairs each
+    query group with its own KV head, exactly like the matmul path (it once paired group g
+    with KV head g: wrong when G == KV, a shape error otherwise)."""
+    from models.qwen3_tts.layers import Attention
+
+    torch.manual_seed(0)
+    hidden, head_dim = 32, 8
+    plain = Attention(hidden, heads, kv_heads, head_dim, 1e-6, bi=False).double()
+    bi = Attention(hidden, heads, kv_heads, head_dim, 1e-6, bi=True).double()
+    for p in plain.parameters():
+        torch.nn.init.normal_(p)
+    bi.load_state_dict(plain.state_dict())
+    q = torch.randn(3, heads, head_dim, dtype=torch.float64)
+    keys = torch.randn(3, 7, kv_heads, head_dim, dtype=torch.float64)
+    vals = torch.randn(3, 7, kv_heads, head_dim, dtype=torch.float64)
+    mask = torch.rand(3, 7) < 0.8
+    mask[:, 0] = True
+    assert torch.allclose(plain._attend(q, keys, vals, mask), bi._attend(q, keys, vals, mask), rtol=1e-12, atol=1e-12)
