@@ -166,3 +166,31 @@ def test_the_serving_loop_pauses_on_starved_requests_and_resumes_when_fed():
     assert [tuple(codes) for _, codes in sink.frames["a"]] == list(ref.frames)
     assert sink.finished["a"].reason is ref.reason and loop.idle
     assert max(loop.metrics.state_history()["starved"]) == 1
+
+
+def test_a_starved_request_yields_its_slot_under_pressure():
+    """engine.preempt takes a starved request, and a policy that preempts under pressure
+    picks it before a running one: a queued request is not stuck behind missing rows."""
+    from mtp_fsm.engine import SchedulingPolicy
+
+    model = scripted_conditioned()
+    engine = LockstepEngine(model, 1, kernels="torch", policy=SchedulingPolicy(preempt_after_steps=0))
+    engine.add_request(NewRequest("a", ScriptInputs((1, 2), feed=(5, 6), feed_upfront=0), 5, 1))
+    engine.add_request(NewRequest("b", ScriptInputs((3,)), 3, 1))
+    ended = {}
+    while (out := engine.step()) is not None:
+        ended.update((f.request_id, f.reason) for f in out.finished)
+    assert ended == {"b": ended.get("b")} and "b" in ended  # b ran to its end while a waited preempted
+    assert engine.requests() == {"a": "preempted"}
+    engine.feed("a", model.feed_rows((5, 6)), done=True)
+    while (out := engine.step()) is not None:
+        ended.update((f.request_id, f.reason) for f in out.finished)
+    assert set(ended) == {"a", "b"}
+
+    manual = LockstepEngine(scripted_conditioned(), 1, kernels="torch")
+    manual.add_request(NewRequest("a", ScriptInputs((1, 2), feed=(5,), feed_upfront=0), 5, 1))
+    while manual.step() is not None:
+        pass
+    assert manual.requests() == {"a": "starved"} and manual.preempt("a") is True
+    manual.step()
+    assert manual.requests() == {"a": "preempted"}

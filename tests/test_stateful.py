@@ -1,5 +1,7 @@
-"""The lifecycle state machine (mtp_fsm.testing.stateful) against the engine, for the MTP
-talker and the single-codebook talker, plus coverage of every declared transition.
+"""The lifecycle state machine (mtp_fsm.testing.stateful) against the engine, for every
+lifecycle variant's scripted talker (MTP, single-codebook, MTP-decided stop, conditioned:
+rows of a conditioning feed arriving late, the starved state), plus coverage of every
+declared transition.
 
 Run with `-s` to see example counts, steps, frames and time per variant.
 """
@@ -15,17 +17,19 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from mtp_fsm.lifecycle import compile_lifecycle, lifecycle_for
 from mtp_fsm.testing.alone import torch_threads
-from mtp_fsm.testing.alone import scripted_mtp_stop
+from mtp_fsm.testing.alone import scripted_conditioned, scripted_mtp_stop
 from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycle_test_case, scripted_mtp, scripted_single
 
-# Tuned so the whole file runs in well under 2 minutes on 2 cores.
+# Tuned so the whole file runs in under 3 minutes on 2 cores.
 CHECKS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 SETTINGS = {
     "mtp": settings(max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "single_codebook": settings(max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
-    "mtp_stop": settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+    "mtp_stop": settings(max_examples=220, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+    "conditioned": settings(max_examples=250, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
 }
-FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop}
+FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop,
+             "conditioned": scripted_conditioned}
 
 _RUNS: dict[str, object] = {}
 
@@ -44,7 +48,9 @@ def _run(variant: str, run_settings) -> tuple[Counter, Counter, float]:
     seconds = time.perf_counter() - start
     print(f"\n[stateful {variant}] {stats['examples']} examples, {stats['steps']} steps, {stats['frames']} frames "
           f"({stats['batched_steps']} steps publishing >= 2, {stats['mixed_steps']} mixed/padded sampling steps), "
-          f"{stats['rejected']} rejected plans, {seconds:.1f}s")
+          f"{stats['rejected']} rejected plans"
+          + (f", {stats['starves']} starves, {stats['feeds']} feeds ({stats['fed_rows']} rows fed)"
+             if stats["starves"] or stats["fed_rows"] else "") + f", {seconds:.1f}s")
     return COVERAGE[variant] - before_cov, stats, seconds
 
 
@@ -79,6 +85,8 @@ def test_every_declared_transition_fires(variant):
         return [f"{t.label} from {s.label}" for t, s, _ in edges if coverage[(t, s)] == 0]
 
     assert missing() == [], f"never fired in {stats['examples']} examples / {stats['steps']} steps"
+    rarest = min((coverage[(t, s)], f"{t.label} from {s.label}") for t, s, _ in edges)
+    print(f"\n[coverage {variant}] {len(edges)} edges, rarest {rarest[1]!r}: {rarest[0]} times")
     assert set(coverage) <= {(t, s) for t, s, _ in edges}  # nothing fired outside the table
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 from ..errors import MtpFsmError
+from ..lifecycle import Trigger
 from .ledger import Ledger
 from .plan import NewRequest, Span, StepOutput, StepPlan
 from .records import RequestRecord
@@ -68,11 +69,12 @@ class Scheduler:
         return "scheduled"
 
     def preempt(self, request_id: str) -> bool:
-        """Preempt a running request in the next plan (e.g. memory pressure seen by the caller)."""
+        """Preempt a request holding a slot in the next plan (e.g. memory pressure seen by the
+        caller): a running one, or one the lifecycle lets rest preempted (a starved one)."""
         record = self.ledger.records.get(request_id)
         if record is None or record.slot is None or request_id in self._aborts:
             return False
-        if self.ledger.sync(record).state not in self.ledger.live_states:
+        if not self.ledger.oracle.may(self.ledger.sync(record).fsm, Trigger.PREEMPT):
             return False
         self._preempts[request_id] = None
         return True
@@ -97,13 +99,18 @@ class Scheduler:
         running = sorted((r for rid, r in records.items() if r.slot is not None and r.state in ledger.live_states
                           and rid not in gone), key=lambda r: r.serial)
         free = ledger.allocator.num_free + len(releases) + sum(records[rid].slot is not None for rid in aborts)
-        preempts = [r.request_id for r in running if r.request_id in self._preempts]
+        # Requests resting with a slot (starved: waiting for conditioning rows) are preempted
+        # first under pressure: they hold a slot and compute nothing.
+        resting = sorted((r for rid, r in records.items() if r.slot is not None and rid not in gone
+                          and r.state not in ledger.live_states and r.state not in ledger.terminal_states
+                          and ledger.oracle.may(r.fsm, Trigger.PREEMPT)), key=lambda r: r.serial)
+        preempts = [r.request_id for r in (*running, *resting) if r.request_id in self._preempts]
         waiting_resumes = [rid for rid in self._preempted if rid not in gone and ledger.ready_to_resume(records[rid])]
         head = next(iter(ledger.queued), None)
         blocked = head is not None and free + len(preempts) <= 0 and not waiting_resumes
         limit = self.policy.preempt_after_steps
-        if blocked and limit is not None and self._head_waits(head) > limit and not preempts and running:
-            preempts.append(running[-1].request_id)  # the most recently admitted
+        if blocked and limit is not None and self._head_waits(head) > limit and not preempts and (resting or running):
+            preempts.append((resting or running)[-1].request_id)  # a resting one, else the most recently admitted
             blocked = False
         free += len(preempts)
         gone.update(preempts)

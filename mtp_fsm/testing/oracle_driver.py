@@ -8,6 +8,15 @@ What a kept sample is (a frame, the codec EOS, a sampling fault) comes from the 
 request run alone by the reference interpreter (`ReferenceRuns`, cached per definition),
 so comparing the engine's outputs with the driver's expectations checks states,
 publication rules and request isolation at once.
+
+A model with a conditioning feed (variant `conditioned`): the driver keeps each request's
+own feed facts (rows fed so far, whether the feed is done) and applies the starvation rule
+itself, independently of the engine's ConditioningFeed: at every step boundary and after
+every `feed`, a slot-holding `decoding` request whose next conditioning row (index
+max(num_frames - 1, 0)) is missing fires STARVE, and a `starved` one whose row is there
+fires FEED; a row is there when index < rows fed or the feed is done. A starved request is
+never schedulable, and a preempted one resumes only once row num_frames - 1 is there (or it
+has no frames). Frames are the alone run of the request with its whole feed upfront.
 """
 
 from __future__ import annotations
@@ -20,10 +29,11 @@ import attrs
 from ..engine import LockstepEngine, Span, StepOutput, StepPlan
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, length_reached, prompt_done
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import ModelSpec
+from ..model_api import FEED_COUNT, FEED_DONE, ModelSpec
 from ..engine.records import RequestRecord
 from .alone import RequestDef
 from .references import ReferenceRuns
+
 
 @attrs.define
 class Expected:
@@ -34,6 +44,20 @@ class Expected:
     finished: Counter = attrs.field(factory=Counter)
     row_triggers: list[tuple[str | None, tuple[Trigger, ...]]] = attrs.field(factory=list)
     num_tokens: int = 0
+    # Requests the step boundary moved to `starved` / back to `decoding` (conditioning feed).
+    starved: list[str] = attrs.field(factory=list)
+    fed: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class FeedFacts:
+    """The driver's own record of one request's conditioning feed."""
+
+    count: int = 0  # rows fed so far (upfront ones included)
+    done: bool = False  # no more rows will come (the model supplies its end-of-feed rows)
+
+    def has_row(self, index: int) -> bool:
+        return index < self.count or self.done
 
 
 class OracleDriver:
@@ -47,12 +71,28 @@ class OracleDriver:
         self.requests: dict[str, RequestRecord] = {}
         self._free = list(range(max_slots))  # lowest free slot first, like the engine must
         self.steps = 0
+        self.has_feed = spec.has_feed
+        self.feeds: dict[str, FeedFacts] = {}  # per request (conditioned models only)
+        self._whole: dict[RequestDef, RequestDef] = {}  # definition -> its whole-feed reference key
 
     # -- queries ------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def _next_row(self, r: RequestRecord) -> int:
+        """The conditioning row the request's next decode step reads: its text step carries
+        the last published frame."""
+        return max(r.num_frames - 1, 0)
+
+    def ready_to_resume(self, rid: str) -> bool:
+        """A resume replays the published frames with their text steps (rows 0..num_frames-1)."""
+        r = self.requests[rid]
+        return not self.has_feed or r.num_frames == 0 or self.feeds[rid].has_row(r.num_frames - 1)
+
+    def feed_done(self, rid: str) -> bool:
+        return not self.has_feed or self.feeds[rid].done
 
     def schedulable(self, plan: StepPlan) -> list[tuple[str, int | None]]:
         """Rows that may follow `plan`'s host events: (rid, prompt tokens left; 0 = decode,
@@ -66,6 +106,8 @@ class OracleDriver:
                 continue
             elif r.state in self.classes.terminal:
                 out.append((r.request_id, None))
+            elif r.state is State.STARVED:
+                continue  # waits for a conditioning row: the engine refuses its rows
             else:
                 out.append((r.request_id, max(r.prompt_len - r.num_computed, 0)))
         out += [(q.request_id, self.refs.prompt_len(q.inputs)) for q in plan.new_requests]
@@ -78,10 +120,12 @@ class OracleDriver:
         exp, fire = Expected(), self.oracle.fire
         for rid in plan.releases:
             r = self.requests.pop(rid)
+            self.feeds.pop(rid, None)
             fire(r.fsm, Trigger.RELEASE)
             self._release(r)
         for rid in plan.aborts:
             r = self.requests.pop(rid)
+            self.feeds.pop(rid, None)
             fire(r.fsm, Trigger.ABORT)
             if r.slot is not None:
                 fire(r.fsm, Trigger.RELEASE)
@@ -101,16 +145,51 @@ class OracleDriver:
             admitted.append(r)
         for q in plan.new_requests:
             # The expected world's own record of the request (same type as the engine's, not shared).
-            r = RequestRecord(q, self.oracle.new(q.request_id), self.refs.prepared(q.inputs))
+            prepared = self.refs.prepared(q.inputs)
+            r = RequestRecord(q, self.oracle.new(q.request_id), prepared)
             fire(r.fsm, Trigger.ADMIT)
             self.requests[r.request_id] = r
+            if self.has_feed:
+                rows = 0 if prepared.feed is None else int(prepared.feed.shape[0])
+                self.feeds[r.request_id] = FeedFacts(rows, bool(prepared.feed_done))
             admitted.append(r)
         for r in admitted:
             r.slot = heapq.heappop(self._free)
         for span in plan.rows:
             self._row(span, exp)
         self.steps += 1
+        exp.starved, exp.fed = self._refresh(list(self.requests.values()))
         return exp
+
+    # -- the conditioning feed ------------------------------------------------------------
+
+    def feed(self, rid: str, num_rows: int, done: bool) -> bool:
+        """`engine.feed(rid, <num_rows rows>, done=done)` was accepted: the request's feed
+        grows, and that request alone is refreshed at once. True when it fired FEED."""
+        r, facts = self.requests[rid], self.feeds[rid]
+        assert r.state not in self.classes.terminal and not facts.done, f"driver: {rid!r} cannot be fed"
+        facts.count += num_rows
+        facts.done = bool(done)
+        return bool(self._refresh([r])[1])
+
+    def _refresh(self, records: list[RequestRecord]) -> tuple[list[str], list[str]]:
+        """STARVE for slot-holding decoding requests missing their next row, FEED for starved
+        ones that have it (request ids starved, fed)."""
+        starved: list[str] = []
+        fed: list[str] = []
+        if not self.has_feed:
+            return starved, fed
+        for r in records:
+            if r.slot is None:
+                continue
+            ready = self.feeds[r.request_id].has_row(self._next_row(r))
+            if r.state is State.DECODING and not ready:
+                self.oracle.fire(r.fsm, Trigger.STARVE)
+                starved.append(r.request_id)
+            elif r.state is State.STARVED and ready:
+                self.oracle.fire(r.fsm, Trigger.FEED)
+                fed.append(r.request_id)
+        return starved, fed
 
     def _release(self, r: RequestRecord) -> None:
         heapq.heappush(self._free, r.slot)
@@ -146,7 +225,7 @@ class OracleDriver:
                 edges.append(edge)
         published = any(self._publishes(e) for e in edges)
         if published:
-            exp.frames.append((r.request_id, r.num_frames, self.refs.get(RequestDef.of(r.request)).frames[r.num_frames]))
+            exp.frames.append((r.request_id, r.num_frames, self._alone(r).frames[r.num_frames]))
             r.num_frames += 1
         for edge in edges:
             reason = self.lifecycle.transition(*edge).reason
@@ -155,12 +234,22 @@ class OracleDriver:
         exp.valid.append(published)
         exp.row_triggers.append((r.request_id, tuple(t for t, _ in edges)))
 
+    def _alone(self, r: RequestRecord):
+        """The request's alone run with its whole conditioning feed upfront: rows fed late
+        must not change a frame."""
+        d = RequestDef.of(r.request)
+        key = self._whole.get(d)
+        if key is None:
+            whole = getattr(d.inputs, "whole_feed", None)
+            key = self._whole[d] = d if whole is None else attrs.evolve(d, inputs=whole())
+        return self.refs.get(key)
+
     def _publishes(self, edge) -> bool:
         return self.lifecycle.transition(*edge).publishes
 
     def _outcome(self, r: RequestRecord) -> dict[str, bool]:
         """What the kept sample at the request's next frame index is, per the alone run."""
-        f, run = r.num_frames, self.refs.get(RequestDef.of(r.request))
+        f, run = r.num_frames, self._alone(r)
         if f < len(run.frames):
             return {}
         if f > len(run.frames) or run.reason in (FinishReason.LENGTH, FinishReason.NONE):
@@ -237,6 +326,17 @@ class OracleDriver:
                 raise AssertionError(f"{r.request_id!r} holds slot {record.slot}, deterministic allocation says {r.slot}")
             if engine.request_state(r.request_id) is not r.state:
                 raise AssertionError(f"{r.request_id!r}: host mirror {engine.request_state(r.request_id).label} != oracle {r.state.label}")
+            if self.has_feed:
+                facts = self.feeds[r.request_id]
+                if (record.feed_count, record.feed_done) != (facts.count, facts.done):
+                    raise AssertionError(f"{r.request_id!r}: engine holds {record.feed_count} conditioning rows, "
+                                         f"done={record.feed_done}; oracle {facts.count}, done={facts.done}")
+                if r.slot is not None:
+                    cols = table.extra
+                    got = (int(cols[FEED_COUNT][r.slot]), bool(int(cols[FEED_DONE][r.slot])))
+                    if got != (facts.count, facts.done):
+                        raise AssertionError(f"{r.request_id!r} slot {r.slot}: device feed count/done {got} != "
+                                             f"oracle {(facts.count, facts.done)}")
             if r.slot is None:
                 continue
             if r.slot in owned:

@@ -9,6 +9,11 @@ column is clear, and every published frame equals the frame the same request pro
 when run alone (so mixing between requests, or any dependence on row order, slot,
 padding or batch composition, fails).
 
+With a conditioned talker (a conditioning feed, variant `conditioned`) each request starts
+with only part of its feed (a drawn `feed_upfront`), a `feed` rule hands a random request
+more rows between steps (the last call declaring the feed done), and the driver models the
+`starved` rest state itself; frames must still equal the request's whole-feed alone run.
+
     run_state_machine_as_test(lambda: LifecycleMachine(scripted_single), settings=...)
     TestMTP = lifecycle_test_case(scripted_mtp, max_slots=3)
 """
@@ -20,10 +25,11 @@ from collections import Counter, defaultdict
 from typing import Any, Callable
 
 import attrs
+import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ..engine import LockstepEngine, NewRequest, Span, StepPlan
+from ..engine import FeedError, LockstepEngine, NewRequest, Span, StepPlan
 from ..errors import (
     AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
 )
@@ -113,6 +119,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.driver = OracleDriver(self.spec, max_slots, self.refs, self.engine.lifecycle)
         self.request_defs = (requests or scripted_requests)(self.spec)
         self.scripted = requests is None
+        # Conditioning feed (scripted conditioned talker): the ids each request has still to
+        # be fed, and whether its last feed call declares the feed done.
+        self.feeding = self.spec.has_feed and self.scripted
+        self.unfed: dict[str, list[int]] = {}
+        self.feed_ends: dict[str, bool] = {}
         self.max_requests = max_requests
         self.pending = Pending()
         self.admitted = 0
@@ -140,6 +151,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.stats["steps"] += 1
         self.stats["frames"] += len(expected.frames)
         self.stats["batched_steps"] += len(expected.frames) >= 2  # isolation is really at stake
+        self.stats["starves"] += len(expected.starved)
+        self.stats["feeds"] += len(expected.fed)
         kinds = {t[0] for _, t in expected.row_triggers if t}
         self.stats["mixed_steps"] += {Trigger.PREFILL, Trigger.SAMPLE} <= kinds or (
             Trigger.SAMPLE in kinds and any(r is None for r in plan.rows))
@@ -153,19 +166,25 @@ class LifecycleMachine(RuleBasedStateMachine):
         room = min(self._free_after_pending(), self.max_requests - self.admitted)
         for _ in range(data.draw(st.integers(1, room), label="admissions")):
             definition = data.draw(self.request_defs, label="request")
-            self.pending.new.append(definition.new_request(f"r{self.admitted}"))
+            rid, inputs = f"r{self.admitted}", definition.inputs
+            if self.feeding:  # only part of the feed is there at admission; the rest comes by `feed`
+                upfront = data.draw(st.just(0) | st.integers(0, len(inputs.feed)), label="feed upfront")
+                inputs = attrs.evolve(inputs, feed_upfront=upfront)
+                self.unfed[rid], self.feed_ends[rid] = list(inputs.feed[upfront:]), inputs.feed_done
+            self.pending.new.append(definition.new_request(rid, inputs=inputs))
             self.admitted += 1
 
     def _abortable(self):
-        return self._untouched(lambda r: r.state in self.classes.live or r.state is State.PREEMPTED)
+        return self._untouched(lambda r: r.state in self.classes.live or r.state in (State.PREEMPTED, State.STARVED))
 
     def _preemptable(self):
-        return self._untouched(lambda r: r.slot is not None and r.state in self.classes.live)
+        return self._untouched(lambda r: r.slot is not None and (r.state in self.classes.live
+                                                                 or r.state is State.STARVED))
 
     def _resumable(self):
         if self._free_after_pending() <= 0:
             return []
-        return self._untouched(lambda r: r.state is State.PREEMPTED)
+        return self._untouched(lambda r: r.state is State.PREEMPTED and self.driver.ready_to_resume(r.request_id))
 
     def _releasable(self):
         return self._untouched(lambda r: r.slot is not None and r.state in self.classes.terminal)
@@ -199,6 +218,40 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data):
         self.pending.releases.append(data.draw(st.sampled_from(self._releasable()), label="release"))
+
+    # -- the conditioning feed (applied at once, between steps) ---------------------------
+
+    def _feedable(self) -> list[str]:
+        """Requests in the engine, not ended, with rows still to come or a `done` to declare."""
+        return sorted(rid for rid, r in self.driver.requests.items()
+                      if r.state not in self.classes.terminal and not self.driver.feed_done(rid)
+                      and (self.unfed[rid] or self.feed_ends[rid]))
+
+    def _feed(self, rid: str, n: int) -> None:
+        rest = self.unfed[rid]
+        done = self.feed_ends[rid] and n == len(rest)
+        self.engine.feed(rid, self.engine.model.feed_rows(rest[:n]), done=done)
+        self.stats["feeds"] += self.driver.feed(rid, n, done)
+        self.stats["fed_rows"] += n
+        del rest[:n]
+
+    def _feed_waiting(self, data) -> None:
+        """A host that keeps up: each request waiting for a row maybe gets at least one more
+        row (or its `done`)."""
+        for rid in self._waiting_rows():
+            if data.draw(st.booleans(), label=f"feed {rid}"):
+                left = len(self.unfed[rid])
+                self._feed(rid, data.draw(st.integers(min(left, 1), left), label="rows"))
+                self.driver.check_engine(self.engine)
+
+    @precondition(lambda self: self.feeding and self._feedable())
+    @rule(data=st.data())
+    def feed(self, data):
+        """Conditioning rows for one request (starved, decoding, prefilling, preempted, or
+        staged for a host event): a random prefix of the rest, maybe none; the call that
+        brings the last row of a complete feed declares it done."""
+        rid = data.draw(st.sampled_from(self._feedable()), label="feed")
+        self._feed(rid, data.draw(st.integers(0, len(self.unfed[rid])), label="rows"))
 
     # -- steps --------------------------------------------------------------------------
 
@@ -238,7 +291,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step_all(self, data):
         """A scheduler-like step: every live request advances (random order, random chunks);
-        each finished/aborted request is either released now or scheduled as an overrun."""
+        each finished/aborted request is either released now or scheduled as an overrun;
+        a request waiting for a conditioning row may get it first."""
+        self._feed_waiting(data)
         for rid in self._releasable():
             if data.draw(st.booleans(), label=f"release {rid}"):
                 self.pending.releases.append(rid)
@@ -251,17 +306,28 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Only the staged host events (and maybe padding rows): a step that keeps no sample."""
         self._run(self.pending.plan([None] * padding))
 
-    @precondition(lambda self: self.driver.live())
+    def _waiting_rows(self) -> list[str]:
+        """Requests waiting for a conditioning row: starved, or preempted and not ready to resume."""
+        if not self.feeding:
+            return []
+        return [rid for rid in self._feedable() if self.driver.requests[rid].state is State.STARVED
+                or (self.driver.requests[rid].state is State.PREEMPTED and not self.driver.ready_to_resume(rid))]
+
+    @precondition(lambda self: self.driver.live() or self._waiting_rows())
     @rule(data=st.data(), steps=st.integers(2, 5))
     def burst(self, data, steps):
-        """Several scheduler-like steps in a row, so requests run to their end."""
+        """Several scheduler-like steps in a row, so requests run to their end (with a
+        conditioning feed, rows for waiting requests may arrive before each step)."""
         for _ in range(steps):
-            if not self.driver.live() and not self.pending.touched():
+            if not self.driver.live() and not self.pending.touched() and not self._waiting_rows():
                 break
             self.step_all(data)
             self.driver.check_engine(self.engine)
 
     # -- plans the engine must reject whole ---------------------------------------------
+
+    # Refusals of a request waiting for a conditioning row (rare states: drawn half the time when present).
+    WAITING_KINDS = frozenset({"starved row", "release starved", "resume starved", "resume before its row"})
 
     def _bad_plans(self) -> dict[str, tuple]:
         """kind -> (plan, expected error class, request id the message must name)."""
@@ -300,13 +366,49 @@ class LifecycleMachine(RuleBasedStateMachine):
         for rid in self._untouched(lambda r: r.state is State.PREEMPTED)[:1]:
             out["preempted row"] = (p.plan([Span(rid, 1)]), PlanError, rid)
             out["preempt twice"] = (p.plan(preempts=[rid]), LifecycleError, rid)
+        for rid in self._untouched(lambda r: r.slot is not None and r.state is State.STARVED)[:1]:
+            out["starved row"] = (p.plan([Span(rid, 1)]), PlanError, rid)
+            out["release starved"] = (p.plan(releases=[rid]), LifecycleError, rid)
+            out["resume starved"] = (p.plan(resumes=[rid]), LifecycleError, rid)
+        # A resume before the conditioning row its replay reads has arrived.
+        for rid in self._untouched(lambda r: r.state is State.PREEMPTED
+                                   and not self.driver.ready_to_resume(r.request_id))[:1]:
+            span = Span(rid, reqs[rid].base_prompt_len + reqs[rid].num_frames)
+            out["resume before its row"] = (p.plan([span], resumes=[rid]), PlanError, rid)
+        if self.feeding:
+            out.update(self._bad_feeds())
+        return out
+
+    def _bad_feeds(self) -> dict[str, tuple]:
+        """kind -> (a feed call the engine must refuse whole, error class, request id)."""
+        feed, rows, reqs = self.engine.feed, self.engine.model.feed_rows, self.driver.requests
+        width = self.spec.feed_width or self.spec.hidden_size
+
+        def call(rid, value, done=False):
+            return lambda: feed(rid, value, done=done)
+
+        out: dict[str, tuple] = {"feed unknown": (call("ghost", rows([1])), FeedError, "ghost")}
+        for q in self.pending.new[:1]:  # staged, not yet admitted: not in the engine
+            out["feed staged"] = (call(q.request_id, rows([1])), FeedError, q.request_id)
+        for rid in self._untouched(lambda r: r.state in self.classes.terminal)[:1]:
+            out["feed ended"] = (call(rid, rows([1]), True), FeedError, rid)
+        for rid in sorted(rid for rid, r in reqs.items() if r.state not in self.classes.terminal
+                          and self.driver.feed_done(rid))[:1]:
+            out["feed after done"] = (call(rid, rows([])), FeedError, rid)
+        for rid in sorted(rid for rid, r in reqs.items() if r.state not in self.classes.terminal
+                          and not self.driver.feed_done(rid))[:1]:
+            left = self.spec.feed_capacity - self.driver.feeds[rid].count
+            out["feed over capacity"] = (call(rid, torch.zeros(left + 1, width, dtype=self.spec.dtype)), FeedError, rid)
+            out["feed bad width"] = (call(rid, torch.zeros(1, width + 1, dtype=self.spec.dtype), True), FeedError, rid)
+            out["feed NaN"] = (call(rid, torch.full((1, width), float("nan"), dtype=self.spec.dtype)), FeedError, rid)
         return out
 
     def _snapshot(self):
         ledger = self.engine.ledger
         columns = {k: v.clone() for k, v in self.engine.table.columns().items()}
         synced = ((rid, ledger.sync(r)) for rid, r in ledger.records.items())
-        records = {rid: (r.slot, r.serial, r.num_computed, r.num_frames, r.state) for rid, r in synced}
+        records = {rid: (r.slot, r.serial, r.num_computed, r.num_frames, r.state, r.feed_count, r.feed_done)
+                   for rid, r in synced}
         cache = getattr(self.engine.model, "cache", None)
         free = sorted(set(range(self.engine.max_slots)) - ledger.allocator.in_use())
         return columns, records, free, None if cache is None else cache.clone()
@@ -317,11 +419,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         """An invalid plan (mixed with the staged valid events) changes nothing at all."""
         self._steps_since_rejected = 0
         bad = self._bad_plans()
-        kind = data.draw(st.sampled_from(sorted(bad)), label="bad plan")
+        waiting = sorted(k for k in bad if k in self.WAITING_KINDS)
+        if waiting and data.draw(st.booleans(), label="waiting kind"):
+            kind = data.draw(st.sampled_from(waiting), label="bad plan")
+        else:
+            kind = data.draw(st.sampled_from(sorted(bad)), label="bad plan")
         plan, error, rid = bad[kind]
         before = self._snapshot()
         try:
-            self.engine.step(plan)
+            plan() if callable(plan) else self.engine.step(plan)
         except error as exc:
             assert rid in str(exc), f"{kind}: error does not name {rid!r}: {exc}"
         else:
