@@ -25,77 +25,21 @@ from collections import Counter, defaultdict
 from typing import Any, Callable
 
 import attrs
-import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ..engine import FeedError, LockstepEngine, NewRequest, Span, StepPlan
-from ..errors import (
-    AdmissionError, DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError, UnknownRequestError,
-)
+from ..engine import LockstepEngine, Span, StepPlan
 from ..lifecycle import State, Trigger
 from ..model_api import ModelSpec
-from ..sampling import GREEDY, SamplingParams
 from .alone import ModelFactory, RequestDef, scripted_mtp, scripted_single
-from .references import reference_runs
+from .bad_inputs import WAITING_KINDS, bad_plans
 from .oracle_driver import OracleDriver
-from .scripted import ScriptInputs
-
-SAMPLING = (
-    GREEDY, SamplingParams(), SamplingParams(0.7, 5, 0.9), SamplingParams(1.3, 0, 0.5),
-    SamplingParams(1.0, 1, 1.0), SamplingParams(0.9, 0, 1e-6), SamplingParams(0.0, 3, 0.8),
-)
+from .references import reference_runs
+from .strategies import Pending, scripted_requests
 
 # Accumulated over every machine run in this process (per lifecycle variant name).
 COVERAGE: dict[str, Counter] = defaultdict(Counter)
 STATS: dict[str, Counter] = defaultdict(Counter)
-
-
-def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6) -> st.SearchStrategy[RequestDef]:
-    """Random request definitions for the ScriptedTalker: prompt, budget, seed, sampling,
-    and an optional forced EOS / NaN / MTP-NaN frame."""
-    frames = st.integers(1, max_frames)
-
-    @st.composite
-    def build(draw):
-        n = draw(st.integers(1, min(max_prompt, spec.max_context - 1)))
-        budget = draw(frames)
-
-        def at():  # a forced event at some frame, for about one request in five
-            return draw(st.integers(0, budget - 1)) if draw(st.integers(0, 4)) == 0 else None
-
-        prompt = tuple(draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)))
-        feed, feed_done = (), True
-        if spec.has_feed:  # the whole feed: a request never starves for more than it will get
-            feed = tuple(draw(st.lists(st.integers(0, 96), max_size=budget + 1)))
-            feed_done = len(feed) < budget or draw(st.booleans())
-        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(), mtp_nan_at=at() if spec.has_mtp else None,
-                              feed=feed, feed_done=feed_done)
-        seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
-        return RequestDef(inputs, budget, seed, draw(st.sampled_from(SAMPLING)), draw(st.sampled_from(SAMPLING)))
-
-    return build()
-
-
-@attrs.define
-class Pending:
-    """Host events staged for the next plan."""
-
-    new: list[NewRequest] = attrs.field(factory=list)
-    aborts: list[str] = attrs.field(factory=list)
-    preempts: list[str] = attrs.field(factory=list)
-    resumes: list[str] = attrs.field(factory=list)
-    releases: list[str] = attrs.field(factory=list)
-
-    def touched(self) -> set[str]:
-        return {*self.aborts, *self.preempts, *self.resumes, *self.releases, *(q.request_id for q in self.new)}
-
-    def plan(self, rows=(), **extra) -> StepPlan:
-        parts = dict(new_requests=tuple(self.new), aborts=tuple(self.aborts), preempts=tuple(self.preempts),
-                     resumes=tuple(self.resumes), releases=tuple(self.releases))
-        for key, value in extra.items():
-            parts[key] = parts[key] + tuple(value)
-        return StepPlan(rows=tuple(rows), **parts)
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -327,82 +271,6 @@ class LifecycleMachine(RuleBasedStateMachine):
     # -- plans the engine must reject whole ---------------------------------------------
 
     # Refusals of a request waiting for a conditioning row (rare states: drawn half the time when present).
-    WAITING_KINDS = frozenset({"starved row", "release starved", "resume starved", "resume before its row"})
-
-    def _bad_plans(self) -> dict[str, tuple]:
-        """kind -> (plan, expected error class, request id the message must name)."""
-        p, reqs, spec = self.pending, self.driver.requests, self.spec
-        fresh = f"x{self.admitted}"
-        some = RequestDef(ScriptInputs((1, 2, 3)), 2) if self.scripted else None
-        out: dict[str, tuple] = {
-            "unknown abort": (p.plan(aborts=["ghost"]), UnknownRequestError, "ghost"),
-            "unknown release": (p.plan(releases=["ghost"]), UnknownRequestError, "ghost"),
-            "unadmitted row": (p.plan([Span("ghost", 1)]), PlanError, "ghost"),
-        }
-        if some is not None:
-            out["sampling width 2"] = (p.plan(new_requests=[some.new_request(fresh, sampling_width=2)]), AdmissionError, fresh)
-            out["max_frames 0"] = (p.plan(new_requests=[some.new_request(fresh, max_frames=0)]), AdmissionError, fresh)
-            long = ScriptInputs(tuple(range(spec.max_context)))
-            out["prompt too long"] = (p.plan(new_requests=[some.new_request(fresh, inputs=long)]), AdmissionError, fresh)
-            extra = [some.new_request(f"{fresh}_{i}") for i in range(max(self._free_after_pending(), 0) + 1)]
-            out["table full"] = (p.plan(new_requests=extra), SlotTableFullError, extra[-1].request_id)
-            twice = [some.new_request(fresh), some.new_request(fresh)]
-            out["duplicate in plan"] = (p.plan(new_requests=twice), DuplicateRequestError, fresh)
-        if reqs and some is not None:
-            rid = sorted(reqs)[0]
-            out["duplicate id"] = (p.plan(new_requests=[some.new_request(rid)]), DuplicateRequestError, rid)
-        for rid in self._untouched(lambda r: r.slot is not None and r.state in self.classes.live)[:1]:
-            out["release live"] = (p.plan(releases=[rid]), LifecycleError, rid)
-            out["resume live"] = (p.plan(resumes=[rid]), LifecycleError, rid)
-            r = reqs[rid]
-            left = max(r.prompt_len - r.num_computed, 0)
-            span = Span(rid, left + 1) if left > 0 else Span(rid, 2)
-            out["span too long"] = (p.plan([span]), PlanError, rid)
-            out["row twice"] = (p.plan([Span(rid, 1), Span(rid, 1)]), PlanError, rid)
-            out["abort and schedule"] = (p.plan([Span(rid, 1)], aborts=[rid]), PlanError, rid)
-        for rid in self._untouched(lambda r: r.state in self.classes.terminal)[:1]:
-            out["abort terminal"] = (p.plan(aborts=[rid]), LifecycleError, rid)
-            out["preempt terminal"] = (p.plan(preempts=[rid]), LifecycleError, rid)
-        for rid in self._untouched(lambda r: r.state is State.PREEMPTED)[:1]:
-            out["preempted row"] = (p.plan([Span(rid, 1)]), PlanError, rid)
-            out["preempt twice"] = (p.plan(preempts=[rid]), LifecycleError, rid)
-        for rid in self._untouched(lambda r: r.slot is not None and r.state is State.STARVED)[:1]:
-            out["starved row"] = (p.plan([Span(rid, 1)]), PlanError, rid)
-            out["release starved"] = (p.plan(releases=[rid]), LifecycleError, rid)
-            out["resume starved"] = (p.plan(resumes=[rid]), LifecycleError, rid)
-        # A resume before the conditioning row its replay reads has arrived.
-        for rid in self._untouched(lambda r: r.state is State.PREEMPTED
-                                   and not self.driver.ready_to_resume(r.request_id))[:1]:
-            span = Span(rid, reqs[rid].base_prompt_len + reqs[rid].num_frames)
-            out["resume before its row"] = (p.plan([span], resumes=[rid]), PlanError, rid)
-        if self.feeding:
-            out.update(self._bad_feeds())
-        return out
-
-    def _bad_feeds(self) -> dict[str, tuple]:
-        """kind -> (a feed call the engine must refuse whole, error class, request id)."""
-        feed, rows, reqs = self.engine.feed, self.engine.model.feed_rows, self.driver.requests
-        width = self.spec.feed_width or self.spec.hidden_size
-
-        def call(rid, value, done=False):
-            return lambda: feed(rid, value, done=done)
-
-        out: dict[str, tuple] = {"feed unknown": (call("ghost", rows([1])), FeedError, "ghost")}
-        for q in self.pending.new[:1]:  # staged, not yet admitted: not in the engine
-            out["feed staged"] = (call(q.request_id, rows([1])), FeedError, q.request_id)
-        for rid in self._untouched(lambda r: r.state in self.classes.terminal)[:1]:
-            out["feed ended"] = (call(rid, rows([1]), True), FeedError, rid)
-        for rid in sorted(rid for rid, r in reqs.items() if r.state not in self.classes.terminal
-                          and self.driver.feed_done(rid))[:1]:
-            out["feed after done"] = (call(rid, rows([])), FeedError, rid)
-        for rid in sorted(rid for rid, r in reqs.items() if r.state not in self.classes.terminal
-                          and not self.driver.feed_done(rid))[:1]:
-            left = self.spec.feed_capacity - self.driver.feeds[rid].count
-            out["feed over capacity"] = (call(rid, torch.zeros(left + 1, width, dtype=self.spec.dtype)), FeedError, rid)
-            out["feed bad width"] = (call(rid, torch.zeros(1, width + 1, dtype=self.spec.dtype), True), FeedError, rid)
-            out["feed NaN"] = (call(rid, torch.full((1, width), float("nan"), dtype=self.spec.dtype)), FeedError, rid)
-        return out
-
     def _snapshot(self):
         ledger = self.engine.ledger
         columns = {k: v.clone() for k, v in self.engine.table.columns().items()}
@@ -418,8 +286,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def rejected_plan(self, data):
         """An invalid plan (mixed with the staged valid events) changes nothing at all."""
         self._steps_since_rejected = 0
-        bad = self._bad_plans()
-        waiting = sorted(k for k in bad if k in self.WAITING_KINDS)
+        bad = bad_plans(self)
+        waiting = sorted(k for k in bad if k in WAITING_KINDS)
         if waiting and data.draw(st.booleans(), label="waiting kind"):
             kind = data.draw(st.sampled_from(waiting), label="bad plan")
         else:

@@ -1,0 +1,64 @@
+"""Hypothesis strategies for scripted requests, and the host events a state machine stages."""
+
+from __future__ import annotations
+
+import attrs
+from hypothesis import strategies as st
+
+from ..engine import NewRequest, StepPlan
+from ..model_api import ModelSpec
+from ..sampling import GREEDY, SamplingParams
+from .alone import RequestDef
+from .scripted import ScriptInputs
+
+SAMPLING = (
+    GREEDY, SamplingParams(), SamplingParams(0.7, 5, 0.9), SamplingParams(1.3, 0, 0.5),
+    SamplingParams(1.0, 1, 1.0), SamplingParams(0.9, 0, 1e-6), SamplingParams(0.0, 3, 0.8),
+)
+
+
+def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6) -> st.SearchStrategy[RequestDef]:
+    """Random request definitions for the ScriptedTalker: prompt, budget, seed, sampling,
+    and an optional forced EOS / NaN / MTP-NaN frame."""
+    frames = st.integers(1, max_frames)
+
+    @st.composite
+    def build(draw):
+        n = draw(st.integers(1, min(max_prompt, spec.max_context - 1)))
+        budget = draw(frames)
+
+        def at():  # a forced event at some frame, for about one request in five
+            return draw(st.integers(0, budget - 1)) if draw(st.integers(0, 4)) == 0 else None
+
+        prompt = tuple(draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)))
+        feed, feed_done = (), True
+        if spec.has_feed:  # the whole feed: a request never starves for more than it will get
+            feed = tuple(draw(st.lists(st.integers(0, 96), max_size=budget + 1)))
+            feed_done = len(feed) < budget or draw(st.booleans())
+        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(), mtp_nan_at=at() if spec.has_mtp else None,
+                              feed=feed, feed_done=feed_done)
+        seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
+        return RequestDef(inputs, budget, seed, draw(st.sampled_from(SAMPLING)), draw(st.sampled_from(SAMPLING)))
+
+    return build()
+
+
+@attrs.define
+class Pending:
+    """Host events staged for the next plan."""
+
+    new: list[NewRequest] = attrs.field(factory=list)
+    aborts: list[str] = attrs.field(factory=list)
+    preempts: list[str] = attrs.field(factory=list)
+    resumes: list[str] = attrs.field(factory=list)
+    releases: list[str] = attrs.field(factory=list)
+
+    def touched(self) -> set[str]:
+        return {*self.aborts, *self.preempts, *self.resumes, *self.releases, *(q.request_id for q in self.new)}
+
+    def plan(self, rows=(), **extra) -> StepPlan:
+        parts = dict(new_requests=tuple(self.new), aborts=tuple(self.aborts), preempts=tuple(self.preempts),
+                     resumes=tuple(self.resumes), releases=tuple(self.releases))
+        for key, value in extra.items():
+            parts[key] = parts[key] + tuple(value)
+        return StepPlan(rows=tuple(rows), **parts)
