@@ -220,3 +220,30 @@ def test_a_recycled_slot_forgets_the_fault_of_its_last_owner():
     model.mtp_poison = (1, float("inf"))
     second = engine.generate([request("next", max_frames=2)])["next"].finished
     assert second.detail == "MTP sampling, codebook 1: a logit is +inf"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("request_id", 5, "request id must be a non-empty str"),
+    ("request_id", "", "request id must be a non-empty str"),
+    ("max_frames", 2**63, "max_frames must be an int in"),
+])
+def test_unrepresentable_request_fields_are_refused_before_anything_changes(field, value, message):
+    engine = LockstepEngine(ScriptedTalker(), 2)
+    bad = request("x", **{field: value}) if field != "request_id" else NewRequest(value, ScriptInputs((1, 2)), 3, 1)
+    before = snapshot(engine)
+    with pytest.raises(AdmissionError, match=message):
+        engine.add_request(bad)
+    assert_unchanged(engine, before)
+
+
+def test_a_dropped_engine_releases_its_model_without_the_garbage_collector():
+    """No reference cycle keeps an engine (and its claim on the model) alive once dropped."""
+    model = ScriptedTalker()
+    gc.disable()
+    try:
+        for _ in range(3):
+            engine = LockstepEngine(model, 1)
+            engine.generate([request("a")])
+            del engine
+    finally:
+        gc.enable()

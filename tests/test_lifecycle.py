@@ -31,19 +31,22 @@ def declared(spec: LifecycleSpec) -> dict[tuple[Trigger, State], State]:
 
 
 def test_state_and_trigger_codes_are_stable():
-    assert [int(s) for s in State] == list(range(10))
+    assert [int(s) for s in State] == list(range(11))
     assert [int(t) for t in Trigger] == list(range(17))
     assert State.FREE == 0 and State.WAITING == 1 and State.FINISHED == 6 and State.PREEMPTED == 8
-    assert State.STARVED == 9 and Trigger.MTP_STOP == 14 and Trigger.STARVE == 15 and Trigger.FEED == 16
+    assert State.STARVED == 9 and State.PENDING == 10 and Trigger.MTP_STOP == 14 and Trigger.STARVE == 15 and Trigger.FEED == 16
     assert State.SAMPLED.label == "sampled" and Trigger.FINISH_LENGTH.label == "finish_length"
 
 
 @pytest.mark.parametrize("spec", [f() for f in VARIANTS.values()], ids=list(VARIANTS))
 def test_state_classes_compile_to_the_declared_sets(spec):
     compiled = compile_lifecycle(spec)
-    assert compiled.states_in(CLASS_LIVE) == {State.WAITING, State.PREFILLING, State.DECODING}
+    # The deferred schedule's `pending` rests between steps and is scheduled like decoding;
+    # its `sampled` moment does not exist (CB0 is sampled last in a step).
+    pending = {State.PENDING} if spec.deferred else set()
+    assert compiled.states_in(CLASS_LIVE) == {State.WAITING, State.PREFILLING, State.DECODING, *pending}
     assert compiled.states_in(CLASS_TERMINAL) == {State.FINISHED, State.ABORTED}
-    assert compiled.states_in(CLASS_IN_STEP) == {State.SAMPLED, State.FRAME_READY}
+    assert compiled.states_in(CLASS_IN_STEP) == ({State.FRAME_READY} if spec.deferred else {State.SAMPLED, State.FRAME_READY})
     assert HOST_TRIGGERS == {Trigger.ADMIT, Trigger.PREEMPT, Trigger.RESUME, Trigger.ABORT, Trigger.RELEASE}
 
 
@@ -92,7 +95,7 @@ def test_common_shape_of_both_variants():
         assert d[(Trigger.RESUME, State.PREEMPTED)] is State.WAITING
         for s in LIVE_STATES:
             assert d[(Trigger.PREEMPT, s)] is State.PREEMPTED and d[(Trigger.ABORT, s)] is State.ABORTED
-            assert d[(Trigger.SAMPLE, s)] in (State.SAMPLED, State.FRAME_READY)
+            assert d[(Trigger.SAMPLE, s)] in (State.SAMPLED, State.FRAME_READY, State.PENDING)
             assert d[(Trigger.FAIL, s)] is State.ABORTED
         for s in (State.FINISHED, State.ABORTED, State.PREEMPTED):
             assert d[(Trigger.RELEASE, s)] is State.FREE
@@ -125,11 +128,13 @@ def test_error_edges_are_declared_only_where_they_can_happen(spec):
     """Host aborts (live, preempted), a non-finite CB0 row (live, `fail`) and, with an MTP
     stage, a non-finite MTP row (sampled, `mtp_fail`): every drawn edge can happen."""
     d = declared(spec)
-    starved = {State.STARVED} if State.STARVED in spec.states else set()  # a conditioned request waiting for a row
-    assert {s for (t, s) in d if t is Trigger.ABORT} == {*LIVE_STATES, State.PREEMPTED, *starved}
+    # A conditioned request waiting for a row (starved), a deferred one between steps (pending).
+    resting = {s for s in (State.STARVED, State.PENDING) if s in spec.states}
+    assert {s for (t, s) in d if t is Trigger.ABORT} == {*LIVE_STATES, State.PREEMPTED, *resting}
     assert {s for (t, s) in d if t is Trigger.FAIL} == set(LIVE_STATES)
     has_mtp = bool(spec.stages_of(Phase.MTP))
-    assert {s for (t, s) in d if t is Trigger.MTP_FAIL} == ({State.SAMPLED} if has_mtp else set())
+    mtp_source = {State.PENDING} if spec.deferred else {State.SAMPLED}
+    assert {s for (t, s) in d if t is Trigger.MTP_FAIL} == (mtp_source if has_mtp else set())
 
 
 # Hazard: a tracker in a state the variant lacks (e.g. `sampled` without MTP) must give
@@ -151,7 +156,7 @@ def test_trigger_outside_the_variant_is_a_lifecycle_error():
 
 
 def test_lifecycle_for_and_variants():
-    assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned"}
+    assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned", "mtp_stop_deferred"}
     for name in VARIANTS:
         assert lifecycle_for(name).name == name
     with pytest.raises(ValueError, match="unknown lifecycle variant 'higgs'"):

@@ -6,6 +6,7 @@ import weakref
 
 from ..errors import AdmissionError
 from ..model_api import PreparedPrompt, TalkerModel
+from ..sampling.params import MAX_COUNT
 from ..sampling.topp import MAX_VOCAB_FIXED
 from .staging import sampling_of
 from .plan import NewRequest
@@ -43,8 +44,10 @@ class Admission:
                 f"sampling width {req.sampling_width} is not supported: current-step MTP builds one frame "
                 "per sampled CB0, so multi-token or speculative sampling would desynchronise frames"
             )
-        if type(req.max_frames) is not int or req.max_frames < 1:  # bool is not a frame count
-            problems.append(f"max_frames must be an int >= 1, got {req.max_frames!r}")
+        if type(req.request_id) is not str or not req.request_id:
+            problems.append(f"the request id must be a non-empty str, got {req.request_id!r}")
+        if type(req.max_frames) is not int or not 1 <= req.max_frames <= MAX_COUNT:  # bool is not a frame count
+            problems.append(f"max_frames must be an int in [1, {MAX_COUNT}], got {req.max_frames!r}")
         if type(req.seed) is not int or not (-(2**63) <= req.seed < 2**63):
             problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
         problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]

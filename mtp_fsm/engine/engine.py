@@ -108,7 +108,10 @@ class LockstepEngine:
         self._text_step = _model_call(model, "text_step")
         self._reset_slots = _model_call(model, "reset_slots")
         self._allowed = self._cb0_allowed()
-        self._pipeline = DevicePipeline(self)
+        self._pipeline = DevicePipeline(
+            self.spec, self.lifecycle, self.kernels, self.table, self._lc,
+            (self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step), self._allowed, self.device,
+        )
         self.step_count = 0
 
     def _cb0_allowed(self) -> torch.Tensor:

@@ -25,46 +25,48 @@ def deferred_columns(spec: ModelSpec, lifecycle) -> dict[str, ColumnSpec]:
 
 class DevicePipeline:
     """Runs stages 2-5 of a step (compose, forward, CB0 sampling, MTP, publication) with the
-    engine's kernels and the model's entry points, and returns the packed output."""
+    engine's kernels and the model's entry points, and returns the packed output.
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.spec, self.lifecycle = engine.spec, engine.lifecycle
+    It holds the engine's parts, never the engine (a cycle would keep a dropped engine, and
+    its claim on the model, alive until the garbage collector runs)."""
+
+    def __init__(self, spec: ModelSpec, lifecycle, kernels, table, device_lifecycle, calls, allowed, device) -> None:
+        self.spec, self.lifecycle = spec, lifecycle
+        self.kernels, self.table, self._lc = kernels, table, device_lifecycle
+        self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step = calls
+        self._allowed, self.device = allowed, device
         self.reads_mtp_stop = Predicate.MTP_STOP in self.lifecycle.predicates_read()
 
     def run(self, batch: StepBatch) -> torch.Tensor:
-        e = self.engine
         width = OUT_CODES + self.spec.num_codebooks
         if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
-            packed = torch.zeros(batch.num_rows, width, dtype=torch.int64, device=e.device)
+            packed = torch.zeros(batch.num_rows, width, dtype=torch.int64, device=self.device)
         elif self.lifecycle.deferred:
             packed = self._deferred(batch)
         else:
             packed = self._current_step(batch)
         # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
         # this step still surfaces in the same copy.
-        global_row = torch.zeros(1, width, dtype=torch.int64, device=e.device)
-        global_row[0, OUT_ERROR] = e.table.error[: e.table.max_slots].amax()
+        global_row = torch.zeros(1, width, dtype=torch.int64, device=self.device)
+        global_row[0, OUT_ERROR] = self.table.error[: self.table.max_slots].amax()
         return torch.cat([packed, global_row])
 
     def _backbone(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Compose, forward and sample CB0 (the sample-phase stages): (last hidden, cb0)."""
-        e = self.engine
-        k, table, lc = e.kernels, e.table, e._lc
-        inputs, positions, token_slots = k.compose_inputs(table, lc, batch, e._text_step)
-        hidden = e._forward(inputs, positions, token_slots)
+        k, table, lc = self.kernels, self.table, self._lc
+        inputs, positions, token_slots = k.compose_inputs(table, lc, batch, self._text_step)
+        hidden = self._forward(inputs, positions, token_slots)
         last_hidden = hidden[batch.last_token]
-        logits = e._cb0_logits(last_hidden)
-        cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=e._allowed)
+        logits = self._cb0_logits(last_hidden)
+        cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
         return last_hidden, cb0
 
     def _frame(self, batch: StepBatch, hidden: torch.Tensor, cb0: torch.Tensor) -> torch.Tensor:
         """The MTP hook and the MTP-phase stages: the frame's codes [B, Q]."""
-        e = self.engine
-        if e._mtp is None:
+        if self._mtp is None:
             return cb0[:, None]
-        sample, mtp_faults = e.kernels.mtp_sampler(e.table, batch)
-        codes = e._mtp(hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
+        sample, mtp_faults = self.kernels.mtp_sampler(self.table, batch)
+        codes = self._mtp(hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
         stop = None
         if isinstance(codes, MtpResult):
             if not self.reads_mtp_stop:
@@ -72,23 +74,21 @@ class DevicePipeline:
                     f"model {self.spec.name!r} returned an MtpResult (an MTP-decided stop) but lifecycle "
                     f"{self.lifecycle.name!r} has no edge reading mtp_stop: use variant 'mtp_stop'")
             codes, stop = codes.codes, codes.stop
-        e.kernels.mtp_scatter(e.table, e._lc, batch, mtp_faults, stop)
+        self.kernels.mtp_scatter(self.table, self._lc, batch, mtp_faults, stop)
         return codes
 
     def _current_step(self, batch: StepBatch) -> torch.Tensor:
-        e = self.engine
         hidden, cb0 = self._backbone(batch)
         codes = self._frame(batch, hidden, cb0)
-        return e.kernels.publish_frames(e.table, e._lc, batch, codes, e._frame_embed(codes))
+        return self.kernels.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes))
 
     def _deferred(self, batch: StepBatch) -> torch.Tensor:
         """The pending frame (sampled last step) first, from the cached hidden state and CB0;
         rows with no pending frame compute an ignored one (their state fires no MTP edge)."""
-        e = self.engine
-        table, slot = e.table, batch.idx_mapping
+        table, slot = self.table, batch.idx_mapping
         cached_hidden, cached_cb0 = table.extra[DEFERRED_HIDDEN][slot], table.extra[DEFERRED_CB0][slot]
         codes = self._frame(batch, cached_hidden, cached_cb0)
-        packed = e.kernels.publish_frames(table, e._lc, batch, codes, e._frame_embed(codes))
+        packed = self.kernels.publish_frames(table, self._lc, batch, codes, self._frame_embed(codes))
         hidden, cb0 = self._backbone(batch)
         # Padding rows write the scratch row; rows that did not sample leave values no edge reads.
         table.extra[DEFERRED_HIDDEN][slot] = hidden.to(self.spec.dtype)
