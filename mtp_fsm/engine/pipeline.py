@@ -90,9 +90,12 @@ class DevicePipeline:
         codes = self._frame(batch, cached_hidden, cached_cb0)
         packed = self.kernels.publish_frames(table, self._lc, batch, codes, self._frame_embed(codes))
         hidden, cb0 = self._backbone(batch)
-        # Padding rows write the scratch row; rows that did not sample leave values no edge reads.
-        table.extra[DEFERRED_HIDDEN][slot] = hidden.to(self.spec.dtype)
-        table.extra[DEFERRED_CB0][slot] = cb0
+        # Only rows that own their slot write its cache (a stale row is flagged by the kernels and
+        # must not clobber the owner's); rows that did not sample leave values no edge reads.
+        owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
+        cache_h, cache_cb0 = table.extra[DEFERRED_HIDDEN], table.extra[DEFERRED_CB0]
+        cache_h[slot] = torch.where(owned[:, None], hidden.to(cache_h.dtype), cached_hidden)
+        cache_cb0[slot] = torch.where(owned, cb0, cached_cb0)
         # The rows' state and reason after the whole step (publication ran before sampling).
         packed[:, OUT_STATE] = table.state[slot].to(packed.dtype)
         packed[:, OUT_REASON] = table.finish_reason[slot].to(packed.dtype)
