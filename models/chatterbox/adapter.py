@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import ModelSpec, PreparedPrompt, TalkerModel
 
 from .config import ChatterboxConfig
@@ -12,7 +13,7 @@ from .prompt import ByteTextTokenizer, ChatterboxInputs, TextTokenizer, build_pr
 from .t3 import T3Turbo
 
 
-class ChatterboxTalker(TalkerModel):
+class ChatterboxTalker(SlotKVCache, TalkerModel):
     """T3 Turbo driven by the lockstep engine under the `single_codebook` lifecycle.
 
     One speech token per frame: CB0 is the whole frame, the stop token is the engine's
@@ -92,37 +93,9 @@ class ChatterboxTalker(TalkerModel):
 
     # ---------------------------------------------------------------- per-slot state
 
-    def bind_slots(self, max_slots: int, device: torch.device,
-                   columns: dict[str, torch.Tensor] | None = None) -> None:
-        """One KV cache per layer: [max_slots + 1, max_context, heads, head_dim]; the extra
-        row is scratch that padding tokens write into and read from."""
-        device = torch.device(device)
-        if device != self.device:
-            raise ValueError(f"model lives on {self.device}, slots requested on {device}")
+    def _kv_layout(self) -> tuple[int, int, int, int]:
         cfg = self.config
-        shape = (max_slots + 1, cfg.max_context, cfg.num_attention_heads, cfg.head_dim)
-        self._cache = [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
-
-    @property
-    def max_slots(self) -> int:
-        return 0 if self._cache is None else self._cache[0][0].shape[0] - 1
-
-    @torch.no_grad()
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        cache = self._require_cache()
-        scratch = cache[0][0].shape[0] - 1
-        rows = torch.where(slots >= 0, slots, torch.full_like(slots, scratch)).long()
-        for cache_k, cache_v in cache:
-            cache_k.index_fill_(0, rows, 0)
-            cache_v.index_fill_(0, rows, 0)
-
-    def _require_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._cache is None:
-            raise RuntimeError("bind_slots() must be called before the model runs")
-        return self._cache
+        return cfg.num_hidden_layers, cfg.max_context, cfg.num_attention_heads, cfg.head_dim
 
     # ---------------------------------------------------------------- step hooks
 

@@ -6,13 +6,14 @@ import math
 
 import torch
 
+from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import CodebookSampler, ModelSpec, MtpResult, PreparedPrompt, TalkerModel
 from mtp_fsm.sampling import SamplingParams
 from models.qwen3_tts.layers import Linear, RMSNorm, rope_tables
 
 from .config import MossTTSLocalConfig
 from .local import LayerNorm, interleaved_rope_tables
-from .model import CONTINUE, STOP, MossTTSLocalRoot
+from .model import STOP, MossTTSLocalRoot
 from .prompt import MossByteTokenizer, MossInputs, TextTokenizer, build_prompt_rows
 
 # Upstream's fixed audio sampling (README / vllm-omni `talker_mtp`): owned by the model,
@@ -35,7 +36,7 @@ SCHEDULES = {"current": "mtp_stop", "deferred": "mtp_stop_deferred"}
 STOP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=1.0)
 
 
-class MossTTSLocalTalker(TalkerModel):
+class MossTTSLocalTalker(SlotKVCache, TalkerModel):
     """MOSS-TTS Local (Qwen3 backbone + local depth transformer) driven by the lockstep engine.
 
     Engine mapping: `cb0_logits` is the local transformer's codebook-0 head at local
@@ -169,37 +170,9 @@ class MossTTSLocalTalker(TalkerModel):
 
     # ---------------------------------------------------------------- per-slot state
 
-    def bind_slots(self, max_slots: int, device: torch.device,
-                   columns: dict[str, torch.Tensor] | None = None) -> None:
-        """One KV cache per backbone layer: [max_slots + 1, max_context, kv_heads, head_dim];
-        the extra row is scratch that padding tokens write into and read from."""
-        device = torch.device(device)
-        if device != self.device:
-            raise ValueError(f"model lives on {self.device}, slots requested on {device}")
+    def _kv_layout(self) -> tuple[int, int, int, int]:
         cfg = self.config
-        shape = (max_slots + 1, cfg.max_context, cfg.num_key_value_heads, cfg.head_dim)
-        self._cache = [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
-
-    @property
-    def max_slots(self) -> int:
-        return 0 if self._cache is None else self._cache[0][0].shape[0] - 1
-
-    @torch.no_grad()
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        cache = self._require_cache()
-        scratch = cache[0][0].shape[0] - 1
-        rows = torch.where(slots >= 0, slots, torch.full_like(slots, scratch)).long()
-        for cache_k, cache_v in cache:
-            cache_k.index_fill_(0, rows, 0)
-            cache_v.index_fill_(0, rows, 0)
-
-    def _require_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._cache is None:
-            raise RuntimeError("bind_slots() must be called before the model runs")
-        return self._cache
+        return cfg.num_hidden_layers, cfg.max_context, cfg.num_key_value_heads, cfg.head_dim
 
     # ---------------------------------------------------------------- step hooks
 

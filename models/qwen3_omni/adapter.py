@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import (
     FEED_COUNT,
     FEED_DONE,
@@ -31,7 +32,7 @@ _EOS_GAIN = 2.0
 _SHARPNESS, _THRESHOLD = 30.0, 0.5  # detector units: silu(s * (x.r / r.r - t)) fires only for x ~ r
 
 
-class Qwen3OmniTalker(TalkerModel):
+class Qwen3OmniTalker(SlotKVCache, TalkerModel):
     """Qwen3-Omni MoE talker + code predictor driven by the lockstep engine ("conditioned" variant).
 
     The text step reads the engine-owned feed columns (FEED_ROWS / FEED_COUNT / FEED_DONE):
@@ -197,37 +198,9 @@ class Qwen3OmniTalker(TalkerModel):
 
     # ---------------------------------------------------------------- per-slot state
 
-    def bind_slots(self, max_slots: int, device: torch.device,
-                   columns: dict[str, torch.Tensor] | None = None) -> None:
-        """One KV cache per layer: [max_slots + 1, max_context, kv_heads, head_dim]; the extra
-        row is scratch that padding tokens write into and read from."""
-        device = torch.device(device)
-        if device != self.device:
-            raise ValueError(f"model lives on {self.device}, slots requested on {device}")
+    def _kv_layout(self) -> tuple[int, int, int, int]:
         cfg = self.config
-        shape = (max_slots + 1, cfg.max_context, cfg.num_key_value_heads, cfg.head_dim)
-        self._cache = [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
-
-    @property
-    def max_slots(self) -> int:
-        return 0 if self._cache is None else self._cache[0][0].shape[0] - 1
-
-    @torch.no_grad()
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        cache = self._require_cache()
-        scratch = cache[0][0].shape[0] - 1
-        rows = torch.where(slots >= 0, slots, torch.full_like(slots, scratch)).long()
-        for cache_k, cache_v in cache:
-            cache_k.index_fill_(0, rows, 0)
-            cache_v.index_fill_(0, rows, 0)
-
-    def _require_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._cache is None:
-            raise RuntimeError("bind_slots() must be called before the model runs")
-        return self._cache
+        return cfg.num_hidden_layers, cfg.max_context, cfg.num_key_value_heads, cfg.head_dim
 
     # ---------------------------------------------------------------- step hooks
 
