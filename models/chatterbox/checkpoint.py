@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.safetensors_files import CheckpointError
+
 from .adapter import ChatterboxTalker
 from .config import ChatterboxConfig
 
@@ -19,10 +21,6 @@ UPSTREAM_FILE = "t3_turbo_v1.safetensors"
 # T3 feeds embeddings), `text_head` (the training-only text loss), and the causal-mask
 # buffers older HF GPT-2 versions saved with their weights.
 IGNORED = re.compile(r"^(tfmr\.wte\.|text_head\.)|\.attn\.(masked_)?bias$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the model built from its config."""
 
 
 def save_checkpoint(model: ChatterboxTalker, directory: str | Path, *, upstream_strict: bool = False) -> Path:

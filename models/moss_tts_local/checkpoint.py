@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.safetensors_files import CheckpointError, weight_files
+
 from .adapter import MossTTSLocalTalker
 from .config import MossTTSLocalConfig
 
@@ -16,10 +18,6 @@ from .config import MossTTSLocalConfig
 # inference; the binary local head decides the text channel) and non-persistent RoPE buffers.
 IGNORED_KEYS = ("text_lm_head.weight",)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the model built from its config.json."""
 
 
 def save_checkpoint(model: MossTTSLocalTalker, directory: str | Path) -> Path:
@@ -30,21 +28,6 @@ def save_checkpoint(model: MossTTSLocalTalker, directory: str | Path) -> Path:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {directory}")
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-        raise CheckpointError(f"shards named by the index are missing: {missing}")
-    return files
 
 
 def _ignored(key: str) -> bool:
@@ -68,7 +51,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
     located: dict[str, Path] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
-    for path in _weight_files(directory):
+    for path in weight_files(directory):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 if _ignored(key):

@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.safetensors_files import CheckpointError, weight_files
+
 from .adapter import Qwen3OmniTalker
 from .config import Qwen3OmniConfig
 from .prompt import thinker_table
@@ -20,10 +22,6 @@ IGNORED_PREFIXES = ("thinker.", "code2wav.")
 THINKER_EMBED = "thinker.model.embed_tokens.weight"
 # transformers >= 5 may store the experts fused: mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I].
 _FUSED = re.compile(r"^(talker\.model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the model built from its config.json."""
 
 
 def save_checkpoint(model: Qwen3OmniTalker, directory: str | Path, *,
@@ -56,21 +54,6 @@ def save_checkpoint(model: Qwen3OmniTalker, directory: str | Path, *,
     return directory
 
 
-def _weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {directory}")
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-        raise CheckpointError(f"shards named by the index are missing: {missing}")
-    return files
-
-
 def _fused_names(key: str, shape: tuple[int, ...], cfg: Qwen3OmniConfig) -> tuple[tuple[int, ...], list[str]] | None:
     """For a fused experts tensor: (its expected shape, the per-expert parameters it fills); else None."""
     match = _FUSED.match(key)
@@ -99,7 +82,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
     unexpected: list[str] = []
     mismatched: list[str] = []
     thinker: tuple[Path, tuple[int, ...]] | None = None
-    for path in _weight_files(directory):
+    for path in weight_files(directory):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 shape = tuple(handle.get_slice(key).get_shape())

@@ -9,16 +9,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.safetensors_files import CheckpointError, weight_files
+
 from .adapter import Qwen3TTSTalker
 from .config import Qwen3TTSConfig
 
 # Parts of a full upstream checkpoint the talker adapter does not use (the Base model's
 # speaker encoder; the speech tokenizer normally lives in its own subfolder).
 IGNORED_PREFIXES = ("speaker_encoder.", "speech_tokenizer.")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the model built from its config.json."""
 
 
 def save_checkpoint(model: Qwen3TTSTalker, directory: str | Path) -> Path:
@@ -29,21 +27,6 @@ def save_checkpoint(model: Qwen3TTSTalker, directory: str | Path) -> Path:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {directory}")
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-        raise CheckpointError(f"shards named by the index are missing: {missing}")
-    return files
 
 
 def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -60,7 +43,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
     located: dict[str, Path] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
-    for path in _weight_files(directory):
+    for path in weight_files(directory):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 if key.startswith(IGNORED_PREFIXES):
