@@ -54,6 +54,11 @@ class ModelSpec:
     # Width of forward()'s output rows when it is not hidden_size (a model carrying side
     # channels to its heads): what the deferred schedule caches per slot between steps.
     forward_width: int = 0
+    # Defaults for requests that leave them unset (None): the CB0 repetition penalty
+    # (SamplingParams.repetition_penalty; 1.0 = none) and the frames before EOS may be
+    # sampled (NewRequest.min_frames).
+    repetition_penalty: float = 1.0
+    min_frames: int = 0
 
     @property
     def has_mtp(self) -> bool:

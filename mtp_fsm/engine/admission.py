@@ -8,7 +8,7 @@ from ..errors import AdmissionError
 from ..model_api import PreparedPrompt, TalkerModel
 from ..sampling.params import MAX_COUNT
 from ..sampling.topp import MAX_VOCAB_FIXED
-from .staging import sampling_of
+from .staging import min_frames_of, sampling_of
 from .plan import NewRequest
 
 
@@ -16,8 +16,9 @@ class Admission:
     """Decides whether a request can enter the engine; keeps each request object's
     prepared prompt (weakly: a request dropped by its client takes its prompt with it)."""
 
-    def __init__(self, model: TalkerModel) -> None:
+    def __init__(self, model: TalkerModel, *, deferred: bool = False) -> None:
         self.model, self.spec = model, model.spec
+        self.deferred = deferred  # frames publish a step after their CB0 is sampled
         self._prepared: dict[int, tuple[weakref.ref, PreparedPrompt]] = {}  # id(request) -> (request, prompt)
 
     def prepare(self, req: NewRequest) -> PreparedPrompt:
@@ -50,9 +51,19 @@ class Admission:
             problems.append(f"max_frames must be an int in [1, {MAX_COUNT}], got {req.max_frames!r}")
         if type(req.seed) is not int or not (-(2**63) <= req.seed < 2**63):
             problems.append(f"seed must be a 64-bit int, got {req.seed!r}")
+        if req.min_frames is not None and (type(req.min_frames) is not int or not 0 <= req.min_frames <= MAX_COUNT):
+            problems.append(f"min_frames must be an int in [0, {MAX_COUNT}] or None (the model's default), "
+                            f"got {req.min_frames!r}")
         problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
         problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]
+        if req.mtp_sampling.repetition_penalty not in (None, 1.0):
+            problems.append(f"mtp sampling: repetition_penalty applies to CB0 only (the engine keeps counts of "
+                            f"published CB0 ids), got {req.mtp_sampling.repetition_penalty!r} for the MTP codebooks")
         cb0, mtp = sampling_of(self.spec, req)  # what the rows will really run with
+        if self.deferred and (cb0.penalises or min_frames_of(self.spec, req)):
+            # CB0 of frame f is sampled before frame f-1 is published: counts and frame numbers lag.
+            problems.append("repetition_penalty != 1 and min_frames > 0 are not supported on a deferred "
+                            "lifecycle (the previous frame is published after the next CB0 is sampled)")
         sampled = [("cb0", cb0, self.spec.backbone_vocab_size)]
         if self.spec.has_mtp:
             sampled.append(("mtp", mtp, self.spec.codebook_size))

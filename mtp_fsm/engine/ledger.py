@@ -61,7 +61,7 @@ class Ledger:
         self.records: dict[str, RequestRecord] = {}
         self._next_serial = 1
         self._resuming: set[str] = set()
-        self.admission = Admission(model)
+        self.admission = Admission(model, deferred=oracle.spec.deferred)
         self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
         # Host mirror of the device, per slot, refreshed from each step's output copy.
         rows = table.max_slots + 1

@@ -23,6 +23,9 @@ class NewRequest:
     cb0_sampling: SamplingParams = SamplingParams()
     mtp_sampling: SamplingParams = SamplingParams()
     sampling_width: int = 1  # tokens sampled per step; anything but 1 is rejected
+    # CB0 EOS is masked until this many frames are published (HF min_new_tokens); None takes
+    # the model's default (ModelSpec.min_frames; Qwen3-TTS: 2, like the official generate).
+    min_frames: int | None = None
 
 
 @attrs.frozen

@@ -14,8 +14,15 @@ from .records import RequestRecord
 
 def sampling_of(spec: ModelSpec, request) -> tuple[SamplingParams, SamplingParams]:
     """(CB0, MTP) sampling a request runs with: the model's own where it fixes them
-    (spec.cb0_sampling / mtp_sampling, e.g. MOSS's audio sampling), else the request's."""
-    return spec.cb0_sampling or request.cb0_sampling, spec.mtp_sampling or request.mtp_sampling
+    (spec.cb0_sampling / mtp_sampling, e.g. MOSS's audio sampling), else the request's; the
+    CB0 repetition penalty resolved (None -> the model's default)."""
+    cb0 = (spec.cb0_sampling or request.cb0_sampling).with_penalty(spec.repetition_penalty)
+    return cb0, spec.mtp_sampling or request.mtp_sampling
+
+
+def min_frames_of(spec: ModelSpec, request) -> int:
+    """Frames a request publishes before CB0 EOS may be sampled (None -> the model's default)."""
+    return spec.min_frames if request.min_frames is None else request.min_frames
 
 
 def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord], trigger: int):
@@ -34,7 +41,8 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
         "num_frames": [r.num_frames for r in admitted], "max_frames": [q.max_frames for q in req],
         "seed": [q.seed for q in req],
         "cb0_temperature": [p.temperature for p in cb0], "cb0_top_k": [p.top_k for p in cb0],
-        "cb0_top_p": [p.top_p for p in cb0],
+        "cb0_top_p": [p.top_p for p in cb0], "cb0_penalty": [p.repetition_penalty for p in cb0],
+        "min_frames": [min_frames_of(spec, q) for q in req],
         "mtp_temperature": [p.temperature for p in mtp], "mtp_top_k": [p.top_k for p in mtp],
         "mtp_top_p": [p.top_p for p in mtp],
     }
@@ -61,6 +69,13 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
             if r.replay_codes is not None:
                 log[i, : len(r.replay_codes)] = r.replay_codes.cpu()
         staged["frame_log"] = log.to(device)
+        # The repetition penalty's CB0 counts, rebuilt exactly from the replayed frames.
+        counts = torch.zeros(len(admitted), table.cb0_counts.shape[1], dtype=table.cb0_counts.dtype)
+        for i, r in enumerate(admitted):
+            if r.replay_codes is not None and len(r.replay_codes):
+                cb0 = r.replay_codes[:, 0].cpu().clamp(0, counts.shape[1] - 1)
+                counts[i] = torch.bincount(cb0, minlength=counts.shape[1]).to(counts.dtype)
+        staged["cb0_counts"] = counts.to(device)
         replay = ReplayFrames(
             slots=torch.cat([torch.full((len(c),), r.slot, dtype=torch.int64) for r, c in replays]).to(device),
             frame_index=torch.cat([torch.arange(len(c)) for _, c in replays]).to(device),
@@ -89,6 +104,8 @@ def build_batch(
     live = [sampling_of(spec, r.request) for r in records if r is not None]
     # Host-known sampler facts (no device read): the largest top_k and whether any row uses top-p.
     cb0_k_max, cb0_top_p = _filter_facts(cb0 for cb0, _ in live)
+    cb0_penalty = any(cb0.penalises for cb0, _ in live)
+    min_frames = any(min_frames_of(spec, r.request) > 0 for r in records if r is not None)
     mtp_k_max, mtp_top_p = _filter_facts(mtp for _, mtp in live)
     batch = StepBatch(
         idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
@@ -105,6 +122,8 @@ def build_batch(
         cb0_any_top_p=cb0_top_p,
         mtp_top_k_max=mtp_k_max,
         mtp_any_top_p=mtp_top_p,
+        cb0_penalty=cb0_penalty,
+        cb0_min_frames=min_frames,
     )
     return batch, np.array(idx, dtype=np.int64)
 

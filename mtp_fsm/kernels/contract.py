@@ -64,6 +64,10 @@ class StepBatch:
     cb0_any_top_p: bool = True
     mtp_top_k_max: int | None = None
     mtp_any_top_p: bool = True
+    # Host-known: some row has a CB0 repetition penalty != 1 / a min_frames > 0 (False
+    # skips that work; True is always correct).
+    cb0_penalty: bool = True
+    cb0_min_frames: bool = True
 
     @property
     def num_rows(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
 from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
+from ..sampling.penalties import apply_repetition_penalty, suppress_eos
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 
@@ -177,10 +178,20 @@ def sample_cb0(
     owned = _owned(table, batch)
     live = owned & in_class(lc, state, CLASS_LIVE)
     computed = table.num_computed[slot] + torch.where(live, batch.num_scheduled, 0)
+    suppress = batch.cb0_min_frames and eos_token_id is not None
+
+    def rules(x: torch.Tensor) -> torch.Tensor:
+        if batch.cb0_penalty:
+            x = apply_repetition_penalty(x, table.cb0_counts[slot], table.cb0_penalty[slot])
+        if suppress:
+            x = suppress_eos(x, eos_token_id, table.num_frames[slot], table.min_frames[slot])
+        return x
+
     tokens, fault = sample_tokens(
         logits, table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot],
         table.seed[slot], table.num_frames[slot], 0, allowed=allowed, apply_filters=batch.cb0_filters,
         top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p,
+        rules=rules if batch.cb0_penalty or suppress else None,
     )
     bad = fault != 0
     eos = tokens == eos_token_id if eos_token_id is not None else torch.zeros_like(bad)
@@ -274,6 +285,9 @@ def publish_frames(
     log_at = frame_index.clamp(max=table.max_context - 1)
     table.frame_log[slot, log_at] = torch.where(ready[:, None], codes, table.frame_log[slot, log_at])
     table.frame_embed[slot] = torch.where(ready[:, None], frame_embeds.to(table.frame_embed.dtype), table.frame_embed[slot])
+    # The repetition penalty's memory: one more occurrence of each published CB0 id.
+    cb0 = codes[:, 0].long().clamp(0, table.cb0_counts.shape[1] - 1)
+    table.cb0_counts.index_put_((slot, cb0), ready.to(table.cb0_counts.dtype), accumulate=True)
     table.num_frames[slot] = num_frames
     _record(table, slot, result)
     columns = [ready.long(), frame_index, result.state.long(), table.finish_reason[slot].long(),

@@ -262,7 +262,9 @@ def sample_cb0(
         table.fault, table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k, table.cb0_top_p,
         lc.rules, lc.state_class, chain, logits, logits.stride(0), vocab, noise if allowed is None else _u8(allowed),
         noise, hi, lo, -1 if eos_token_id is None else int(eos_token_id), tokens,
+        table.cb0_penalty, table.cb0_counts, table.cb0_counts.stride(0), table.min_frames,
         **_rules(lc), **shape, HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters),
+        HAS_PENALTY=bool(batch.cb0_penalty), HAS_SUPPRESS=bool(batch.cb0_min_frames) and eos_token_id is not None,
         BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
     )
     return tokens
@@ -340,7 +342,8 @@ def publish_frames(
         table.num_frames, table.max_frames, table.num_computed, table.finish_reason, table.error, lc.rules,
         lc.state_class, chain, codes, codes.stride(0), codes.stride(1), frame_embeds, frame_embeds.stride(0),
         table.frame_codes, table.frame_log, table.frame_embed, packed, packed.stride(0),
-        table.max_context, h, q, **_rules(lc), **shape, BLOCK_R=tile,
+        table.max_context, h, q, table.cb0_counts, table.cb0_counts.stride(0), table.cb0_counts.shape[1],
+        **_rules(lc), **shape, BLOCK_R=tile,
         BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block,
     )
     return packed

@@ -141,9 +141,14 @@ def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr):
 
 @triton.jit
 def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, top_p, key, allowed_ptr, gumbel_ptr,
-                fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
-                BLOCK_V: tl.constexpr):
-    """A tile of rows of `sampling.sample_tokens`: (tokens int64 [R], fault int32 [R])."""
+                fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, slot, penalty, suppress, eos_id,
+                HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr, HAS_PENALTY: tl.constexpr,
+                HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A tile of rows of `sampling.sample_tokens`: (tokens int64 [R], fault int32 [R]).
+
+    The history rules of `sampling.penalties` (HAS_PENALTY: ids with counts[slot] > 0
+    penalised by the row's `penalty`; HAS_SUPPRESS: id eos_id masked on `suppress` rows)
+    act on the read, masked logits before the empty-row check, as in the reference."""
     offs = tl.arange(0, BLOCK_V)
     inb = rmask[:, None] & (offs < V)[None, :]
     x = tl.load(logit_ptr + rows.to(tl.int64)[:, None] * logits_stride + offs[None, :], mask=inb, other=0.0)
@@ -156,6 +161,12 @@ def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, to
     if HAS_ALLOWED:
         ok = tl.load(allowed_ptr + offs, mask=offs < V, other=0) != 0
         x = tl.where(ok[None, :], x, float("-inf"))
+    if HAS_PENALTY:
+        seen = tl.load(counts_ptr + slot.to(tl.int64)[:, None] * counts_stride + offs[None, :], mask=inb, other=0) > 0
+        p = penalty.to(tl.float32)[:, None]
+        x = tl.where(seen, tl.where(x < 0, x * p, tl.math.div_rn(x, p)), x)
+    if HAS_SUPPRESS:
+        x = tl.where(suppress[:, None] & (offs == eos_id)[None, :], float("-inf"), x)
     x = tl.where(inb, x, float("-inf"))
     empty = rmask & (tl.sum((x > float("-inf")).to(tl.int32), 1) == 0)
     fault = tl.where(has_nan, FAULT_NAN, tl.where(has_posinf, FAULT_POSINF, tl.where(empty, FAULT_EMPTY, 0)))

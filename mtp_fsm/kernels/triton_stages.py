@@ -177,11 +177,13 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
                       state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr, reason_ptr, fault_ptr,
                       frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp_ptr, rules_ptr, class_ptr, chain_ptr,
                       logits_ptr, logits_stride, V, allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, eos_id, tokens_ptr,
+                      pen_ptr, counts_ptr, counts_stride, minf_ptr,
                       NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
-                      HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A tile of rows: counters, CB0 sampling, the sample-phase predicates (prompt done,
-    a bad CB0 sample, EOS sampled), the sample-phase stage chain and the fault column."""
+                      HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr, HAS_PENALTY: tl.constexpr,
+                      HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A tile of rows: counters, CB0 sampling (with the repetition penalty and the EOS
+    suppression of min_frames), the sample-phase predicates (prompt done, a bad CB0 sample,
+    EOS sampled), the sample-phase stage chain and the fault column."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
     slot = tl.load(idx_ptr + row, mask=rm, other=0)
@@ -192,11 +194,15 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
     n = tl.load(nsched_ptr + row, mask=rm, other=0)
     computed = tl.load(computed_ptr + slot, mask=rm, other=0) + tl.where(live, n, 0)
     seed = tl.load(seed_ptr + slot, mask=rm, other=0)
-    key = row_key(seed, tl.load(frames_ptr + slot, mask=rm, other=0), seed * 0)
+    frames = tl.load(frames_ptr + slot, mask=rm, other=0)
+    key = row_key(seed, frames, seed * 0)
+    suppress = frames < tl.load(minf_ptr + slot, mask=rm, other=0)
     token, fault = sample_rows(
         logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
-        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, HAS_ALLOWED, APPLY_FILTERS, BLOCK_V)
+        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, slot,
+        tl.load(pen_ptr + slot, mask=rm, other=1.0), suppress, eos_id,
+        HAS_ALLOWED, APPLY_FILTERS, HAS_PENALTY, HAS_SUPPRESS, BLOCK_V)
     bad = fault != 0
     tl.store(tokens_ptr + row, token, mask=rm)
     done = computed >= tl.load(plen_ptr + slot, mask=rm, other=0)
@@ -236,7 +242,8 @@ def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp
     token, kind = sample_rows(
         logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
-        gumbel_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, False, APPLY_FILTERS, BLOCK_V)
+        gumbel_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, gumbel_ptr, 0, slot, seed * 0, rm, -1,
+        False, APPLY_FILTERS, False, False, BLOCK_V)
     tl.store(tokens_ptr + row, token, mask=rm)
     old = tl.load(fault_ptr + row, mask=rm, other=0)
     cb = codebook.to(tl.int32)
@@ -273,7 +280,7 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, sta
 @triton.jit(do_not_specialize=['B'])
 def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_ptr, maxf_ptr, computed_ptr,
                    reason_ptr, error_ptr, rules_ptr, class_ptr, chain_ptr, codes_ptr, codes_s0, codes_s1, fe_ptr,
-                   fe_stride, fcodes_ptr, flog_ptr, fembed_ptr, out_ptr, out_stride, C, H, Q,
+                   fe_stride, fcodes_ptr, flog_ptr, fembed_ptr, out_ptr, out_stride, C, H, Q, counts_ptr, counts_stride, V0,
                    NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr):
     """A tile of rows: the publish-phase stage chain (LENGTH_REACHED per stage, counting the
@@ -311,6 +318,11 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     tl.store(fcodes_ptr + (slot * Q)[:, None] + q[None, :], codes, mask=rq)
     log_at = (slot * C + tl.minimum(frame_index, C - 1)) * Q
     tl.store(flog_ptr + log_at[:, None] + q[None, :], codes, mask=rq)
+    # The repetition penalty's memory: one more occurrence of the published CB0 id (a slot
+    # owns at most one row of a step, so the read-modify-write does not race).
+    cb0 = tl.load(codes_ptr + row64 * codes_s0, mask=rm, other=0)
+    count_at = counts_ptr + slot.to(tl.int64) * counts_stride + tl.minimum(tl.maximum(cb0, 0), V0 - 1)
+    tl.store(count_at, tl.load(count_at, mask=rm & ready, other=0) + 1, mask=rm & ready)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         rh = (rm & ready)[:, None] & (h < H)[None, :]

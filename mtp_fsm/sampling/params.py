@@ -14,11 +14,18 @@ MAX_COUNT = 2**31 - 1
 
 @attrs.frozen
 class SamplingParams:
-    """Temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """Temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters.
+
+    repetition_penalty (CB0 only, HF semantics): every id the request already published as
+    a CB0 code has its logit divided by the penalty when positive, multiplied when negative,
+    before temperature and filters; 1.0 disables, None takes the model's default
+    (ModelSpec.repetition_penalty; Qwen3-TTS: 1.05, like the official generate).
+    """
 
     temperature: float = 0.9
     top_k: int = 50
     top_p: float = 1.0
+    repetition_penalty: float | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -28,7 +35,22 @@ class SamplingParams:
             out.append(f"top_k must be an int in [0, {MAX_COUNT}] (0 disables), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             out.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        penalty = self.repetition_penalty
+        if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float))
+                                    or not math.isfinite(penalty) or penalty <= 0):
+            out.append(f"repetition_penalty must be a finite number > 0 (1.0 disables) or None, got {penalty!r}")
         return out
+
+    def with_penalty(self, default: float) -> "SamplingParams":
+        """These parameters with repetition_penalty resolved (None -> the model's default)."""
+        if self.repetition_penalty is not None:
+            return self
+        return attrs.evolve(self, repetition_penalty=float(default))
+
+    @property
+    def penalises(self) -> bool:
+        """Whether the (resolved) repetition penalty changes any logit."""
+        return self.repetition_penalty is not None and self.repetition_penalty != 1.0
 
     @property
     def filters(self) -> bool:

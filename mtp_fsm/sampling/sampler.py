@@ -11,10 +11,14 @@ A -inf logit is a mask: the id is never sampled, exactly like an id outside `all
 (top-k counts and top-p weighs only the unmasked ids, since masked ids sort last and weigh
 0). Each row gets a fault code (`faults`): NaN or +inf anywhere in the float32 row is a
 fault (those logits are read as 0 so the row still yields some id), and so is a row with
-no unmasked id left (every allowed id -inf; the token is then id 0).
+no unmasked id left (every allowed id -inf; the token is then id 0). History rules
+(`penalties`: repetition penalty, minimum length) apply to the read, masked logits, before
+the empty-row check.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -26,16 +30,23 @@ NEG_INF = float("-inf")
 POS_INF = float("inf")
 
 
-def row_faults(logits: torch.Tensor, allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+Rules = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [B, V] -> adjusted [B, V]
+
+
+def row_faults(logits: torch.Tensor, allowed: torch.Tensor | None,
+               rules: Rules | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sanitised float32 logits [B, V], fault int32 [B]) under the masking rule: NaN and
-    +inf are faults and read as 0, -inf and ids outside `allowed` are masked (-inf), and a
-    row with nothing unmasked left is FAULT_EMPTY. NaN takes precedence over +inf over empty."""
+    +inf are faults and read as 0, -inf and ids outside `allowed` are masked (-inf), then
+    `rules` adjust the row, and a row with nothing unmasked left is FAULT_EMPTY. NaN takes
+    precedence over +inf over empty."""
     logits = logits.float()
     has_nan = torch.isnan(logits).any(dim=-1)
     has_posinf = (logits == POS_INF).any(dim=-1)
     logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=NEG_INF)  # a bad row still yields some token
     if allowed is not None:
         logits = logits.masked_fill(~allowed, NEG_INF)
+    if rules is not None:
+        logits = rules(logits)
     empty = (logits == NEG_INF).all(dim=-1)
     fault = torch.where(has_nan, FAULT_NAN, torch.where(has_posinf, FAULT_POSINF, empty.to(torch.int32) * FAULT_EMPTY))
     return logits, fault.to(torch.int32)
@@ -90,6 +101,7 @@ def sample_tokens(
     top_k_max: int | None = None,
     any_top_p: bool = True,
     noise: torch.Tensor | None = None,
+    rules: Rules | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens int64 [B], fault int32 [B]): 0 = ok, else
     FAULT_NAN / FAULT_POSINF / FAULT_EMPTY (`faults`; callers needing a bool use fault != 0).
@@ -100,8 +112,10 @@ def sample_tokens(
     no row restricts top-k/top-p; key = frame_key(seed, frame_index) precomputed for the
     step; top_k_max (the largest top_k of the rows) with any_top_p=False lets top-k use
     topk instead of a sort; noise [B, V] precomputed for this codebook (gumbel_noise_codebooks).
+    rules: history rules applied to the read, masked logits (`penalties`), before the faults'
+    empty-row check.
     """
-    logits, fault = row_faults(logits, allowed)
+    logits, fault = row_faults(logits, allowed, rules)
     greedy = temperature <= 0
     scores = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     if apply_filters:

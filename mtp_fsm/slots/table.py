@@ -46,6 +46,11 @@ class SlotTable:
     mtp_temperature: torch.Tensor
     mtp_top_k: torch.Tensor
     mtp_top_p: torch.Tensor
+    cb0_penalty: torch.Tensor  # float32 [R], CB0 repetition penalty (1.0 = none)
+    min_frames: torch.Tensor  # int64 [R], CB0 EOS is masked while num_frames < min_frames
+    # int32 [R, V0]: how often each CB0 id was published (the repetition penalty's memory;
+    # a resumed row gets it rebuilt from its replayed frames at admission).
+    cb0_counts: torch.Tensor
     error: torch.Tensor  # int32 [R], sticky ERR_* bits
     # int32 [R], the sampling fault that ended the request (0 = none): kind | codebook << 4
     # (sampling.faults; codebook 0 = CB0), written once, by the stage whose phase ended it.
@@ -78,6 +83,8 @@ class SlotTable:
             frame_embed=col((h,), spec.dtype), frame_codes=col((q,)), frame_log=col((c, q)), seed=col(),
             cb0_temperature=col(dtype=torch.float32), cb0_top_k=col(), cb0_top_p=col(dtype=torch.float32),
             mtp_temperature=col(dtype=torch.float32), mtp_top_k=col(), mtp_top_p=col(dtype=torch.float32),
+            cb0_penalty=col(dtype=torch.float32), min_frames=col(),
+            cb0_counts=col((spec.backbone_vocab_size,), torch.int32),
             error=col(dtype=torch.int32), fault=col(dtype=torch.int32), prompt_embeds=col((c, h), spec.dtype),
         )
         for name, cs in (extra_columns or {}).items():

@@ -51,15 +51,16 @@ class RequestDef:
     seed: int = 0
     cb0: SamplingParams = SamplingParams()
     mtp: SamplingParams = SamplingParams()
+    min_frames: int | None = None
 
     def new_request(self, request_id: str, **overrides) -> NewRequest:
         fields = dict(inputs=self.inputs, max_frames=self.max_frames, seed=self.seed,
-                      cb0_sampling=self.cb0, mtp_sampling=self.mtp)
+                      cb0_sampling=self.cb0, mtp_sampling=self.mtp, min_frames=self.min_frames)
         return NewRequest(request_id, **{**fields, **overrides})
 
     @staticmethod
     def of(req: NewRequest) -> "RequestDef":
-        return RequestDef(req.inputs, req.max_frames, req.seed, req.cb0_sampling, req.mtp_sampling)
+        return RequestDef(req.inputs, req.max_frames, req.seed, req.cb0_sampling, req.mtp_sampling, req.min_frames)
 
 
 @attrs.frozen
@@ -112,24 +113,31 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
     kind = ("cb0" if bad["cb0"] else "mtp") if done.reason is FinishReason.ERROR else None
     run = AloneRun(tuple(tuple(int(c) for c in f.codes) for f in result.frames), done.reason, kind, done.detail)
     if isinstance(definition.inputs, ScriptInputs):
-        check_script(definition.inputs, run, model.spec)
+        check_script(definition, run, model.spec)
     return run
 
 
 
-def check_script(inputs: ScriptInputs, run: AloneRun, spec) -> None:
+def check_script(definition: RequestDef, run: AloneRun, spec) -> None:
     """The alone run is itself an engine run: hold it to the script, so an engine that
     ignored a forced EOS or NaN everywhere would not agree with itself unnoticed."""
+    inputs = definition.inputs
     stop_in_mtp = spec.lifecycle in ("mtp_stop", "mtp_stop_deferred")
+    min_frames = spec.min_frames if definition.min_frames is None else definition.min_frames
+    # A forced EOS before min_frames is masked: the script's other logits stay finite, so
+    # the request simply goes on.
+    eos_at = inputs.eos_at if inputs.eos_at is not None and inputs.eos_at >= min_frames else None
 
     def forced(f: int) -> str | None:
-        if inputs.eos_at == f and not stop_in_mtp:
+        if eos_at == f and not stop_in_mtp:
             return "eos"  # forced EOS logits are finite even where the hidden state is NaN
+        if inputs.eos_at == f and not stop_in_mtp:  # forced but masked: CB0 is finite, a NaN reaches MTP
+            return "mtp" if spec.has_mtp and f in (inputs.nan_at, inputs.mtp_nan_at) else None
         if inputs.nan_at == f:
             return "cb0"
         if spec.has_mtp and inputs.mtp_nan_at == f:
             return "mtp"  # under mtp_stop a faulty MTP sample also beats the stop
-        return "eos" if inputs.eos_at == f else None
+        return "eos" if eos_at == f else None
 
     n = len(run.frames)
     early = [f for f in range(n) if forced(f)]

@@ -53,19 +53,39 @@ def kept_ids(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scores >= torch.maximum(threshold, kth)
 
 
+def history_rules(generated: list[int], penalty: float | None, suppress_id: int | None):
+    """The CB0 rules of the engine's contract, restated the way HF's logits processors do
+    them: RepetitionPenaltyLogitsProcessor (gather the scores of the ids generated so far,
+    penalise, scatter back) and MinNewTokensLengthLogitsProcessor (EOS -> -inf while early)."""
+    def rules(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        if generated and penalty is not None:
+            ids = torch.tensor(generated, dtype=torch.int64, device=x.device)
+            p = torch.tensor(penalty, dtype=torch.float32)  # the engine stores it as float32
+            score = x.gather(0, ids)
+            x.scatter_(0, ids, torch.where(score < 0, score * p, score / p))
+        if suppress_id is not None:
+            x[suppress_id] = NEG_INF
+        return x
+    return rules
+
+
 def sample_row(
     logits: torch.Tensor, params: SamplingParams, seed: int, frame_index: int, codebook: int,
-    allowed: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None, rules=None,
 ) -> tuple[int, int]:
     """(token, fault kind) for one 1-D logits row under one request's parameters.
 
     -inf masks an id; NaN, then +inf, then "nothing left unmasked" are the faults (codes of
-    sampling.faults). A faulty row still yields a token: NaN / +inf read as 0."""
+    sampling.faults). A faulty row still yields a token: NaN / +inf read as 0. `rules`
+    (history_rules) adjust the read, masked row before the empty check."""
     x = logits.float()
     nan, posinf = bool(torch.isnan(x).any()), bool((x == float("inf")).any())
     x = torch.where(torch.isnan(x) | (x == float("inf")), torch.zeros_like(x), x)
     if allowed is not None:
         x = x.masked_fill(~allowed, NEG_INF)
+    if rules is not None:
+        x = rules(x)
     empty = not bool((x > NEG_INF).any())
     fault = FAULT_NAN if nan else FAULT_POSINF if posinf else FAULT_EMPTY if empty else FAULT_OK
     temperature = torch.tensor(params.temperature, dtype=torch.float32)
@@ -160,6 +180,8 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
     has_mtp_stage = bool(life.stages_of(Phase.MTP))
     # A model may own its sampling (ModelSpec.cb0_sampling / mtp_sampling): the request's is then ignored.
     cb0_params, mtp_params = spec.cb0_sampling or d.cb0, spec.mtp_sampling or d.mtp
+    penalty = spec.repetition_penalty if cb0_params.repetition_penalty is None else cb0_params.repetition_penalty
+    min_frames = spec.min_frames if d.min_frames is None else d.min_frames
 
     frames: list[tuple[int, ...]] = []
     # Before any publish the engine's frame cache row is zeros (only a mutated spec gets there).
@@ -177,7 +199,9 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         positions = torch.arange(computed, computed + scheduled, device=device)
         hidden = model.forward(inputs, positions, torch.zeros(scheduled, dtype=torch.int64, device=device))[-1:]
         logits = model.cb0_logits(hidden)[0]
-        cb0, cb0_fault = sample_row(logits, cb0_params, d.seed, len(frames), 0, allowed)
+        early = spec.eos_token_id is not None and len(frames) < min_frames
+        rules = history_rules([f[0] for f in frames], penalty, spec.eos_token_id if early else None)
+        cb0, cb0_fault = sample_row(logits, cb0_params, d.seed, len(frames), 0, allowed, rules)
         sample_facts = {
             Predicate.PROMPT_DONE: prompt_done(computed, scheduled, prompt_len),
             Predicate.CB0_FAULT: cb0_fault != FAULT_OK,

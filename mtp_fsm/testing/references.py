@@ -34,7 +34,7 @@ class ReferenceRuns:
             spec = current_step_twin(self._lifecycle or lifecycle_for(model.spec.lifecycle))
             run = self._runs[definition] = interpret(model, spec, definition)
             if self._lifecycle is None and isinstance(definition.inputs, ScriptInputs):
-                check_script(definition.inputs, run, model.spec)
+                check_script(definition, run, model.spec)
         return run
 
     def prepared(self, inputs: Any) -> PreparedPrompt:

@@ -6,6 +6,7 @@ import attrs
 from hypothesis import strategies as st
 
 from ..engine import NewRequest, StepPlan
+from ..lifecycle import lifecycle_for
 from ..model_api import ModelSpec
 from ..sampling import GREEDY, SamplingParams
 from .alone import RequestDef
@@ -15,12 +16,19 @@ SAMPLING = (
     GREEDY, SamplingParams(), SamplingParams(0.7, 5, 0.9), SamplingParams(1.3, 0, 0.5),
     SamplingParams(1.0, 1, 1.0), SamplingParams(0.9, 0, 1e-6), SamplingParams(0.0, 3, 0.8),
 )
+# CB0 only: the repetition penalty (> 1 discourages repeats, < 1 favours them; with greedy too).
+CB0_SAMPLING = SAMPLING + (
+    SamplingParams(0.0, 0, 1.0, 1.7), SamplingParams(0.9, 5, 1.0, 1.3), SamplingParams(1.1, 0, 0.8, 0.6),
+)
+MIN_FRAMES = (None, None, 0, 1, 3)
 
 
 def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6) -> st.SearchStrategy[RequestDef]:
     """Random request definitions for the ScriptedTalker: prompt, budget, seed, sampling,
     and an optional forced EOS / NaN / MTP-NaN frame."""
     frames = st.integers(1, max_frames)
+    # A deferred lifecycle publishes frame f after CB0 f+1 is sampled: history rules are refused there.
+    history = not lifecycle_for(spec.lifecycle).deferred
 
     @st.composite
     def build(draw):
@@ -38,7 +46,11 @@ def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6)
         inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(), mtp_nan_at=at() if spec.has_mtp else None,
                               feed=feed, feed_done=feed_done)
         seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
-        return RequestDef(inputs, budget, seed, draw(st.sampled_from(SAMPLING)), draw(st.sampled_from(SAMPLING)))
+        if history:
+            cb0, min_frames = draw(st.sampled_from(CB0_SAMPLING)), draw(st.sampled_from(MIN_FRAMES))
+        else:
+            cb0, min_frames = draw(st.sampled_from(SAMPLING)), None
+        return RequestDef(inputs, budget, seed, cb0, draw(st.sampled_from(SAMPLING)), min_frames)
 
     return build()
 

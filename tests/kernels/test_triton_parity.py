@@ -91,6 +91,10 @@ def make_table(seed: int, dtype: torch.dtype, live_bias: tuple[int, ...] = ()) -
     t.extra["text_key"].copy_(_ints(g, 0, 8, r))
     t.extra["trail"].copy_(_rand(g, r, 4, H, dtype=dtype))
     t.extra["flag"].copy_(torch.rand(r, generator=g) < 0.5)
+    # The CB0 history rules: penalties either side of 1, EOS masked on rows below min_frames.
+    t.cb0_penalty.copy_(torch.tensor([1.0, 1.05, 1.7, 0.6])[_ints(g, 0, 4, r)])
+    t.min_frames.copy_(_ints(g, 0, C + 2, r))
+    t.cb0_counts.copy_(torch.where(torch.rand(r, V0, generator=g) < 0.2, _ints(g, 1, 4, r, V0, dtype=torch.int32), 0))
     return _to(t, DEVICE)
 
 
