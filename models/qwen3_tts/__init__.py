@@ -2,7 +2,7 @@
 
 from .adapter import Qwen3TTSTalker
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import CodePredictorConfig, Qwen3TTSConfig, config_0_6b, config_1_7b, tiny_config
+from .config import CodePredictorConfig, Qwen3TTSConfig, UnsupportedConfigError, config_0_6b, config_1_7b, tiny_config
 from .prompt import ByteTextTokenizer, TTSInputs
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "Qwen3TTSConfig",
     "Qwen3TTSTalker",
     "TTSInputs",
+    "UnsupportedConfigError",
     "config_0_6b",
     "config_1_7b",
     "load_checkpoint",

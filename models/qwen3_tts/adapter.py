@@ -10,7 +10,7 @@ from mtp_fsm.model_api import CodebookSampler, ColumnSpec, ModelSpec, PreparedPr
 
 from .config import Qwen3TTSConfig
 from .layers import Linear, RMSNorm, rope_tables
-from .prompt import ByteTextTokenizer, TextTokenizer, TTSInputs, build_prompt
+from .prompt import ByteTextTokenizer, PromptEmbedders, TextTokenizer, TTSInputs, build_prompt
 from .talker import Qwen3TTSRoot
 
 # Tiny-model "text exhausted" wiring (see _wire_demo_eos): the reserved residual channel,
@@ -57,6 +57,8 @@ class Qwen3TTSTalker(SlotKVCache, TalkerModel):
             name="qwen3_tts", hidden_size=config.hidden_size, num_codebooks=config.num_code_groups,
             backbone_vocab_size=config.vocab_size, codebook_size=config.codebook_size,
             eos_token_id=config.codec_eos_token_id, max_context=config.max_context, dtype=dtype,
+            # The official generate's defaults: repetition_penalty=1.05, min_new_tokens=2.
+            repetition_penalty=1.05, min_frames=2,
         )
 
     @property
@@ -120,26 +122,19 @@ class Qwen3TTSTalker(SlotKVCache, TalkerModel):
 
     @torch.no_grad()
     def prepare(self, inputs: TTSInputs) -> PreparedPrompt:
-        """Prompt embeddings [P, H] and the trailing text column [N, H] (N = number of content
-        tokens: all but the first, plus tts_eos). Host side, once per request."""
-        if inputs.text_ids is not None:
-            ids = list(inputs.text_ids)
-        elif self.tokenizer is not None:
-            ids = self.tokenizer.encode(inputs.text or "")
-        else:
-            raise ValueError("this config has no built-in tokenizer: pass TTSInputs(text_ids=...) "
-                             "or construct the model with tokenizer=")
-        prompt, trailing = build_prompt(
-            self.config, ids, speaker_id=inputs.speaker_id, language_id=inputs.language_id,
-            text_embed=self.talker.project_text, codec_embed=self.talker.model.codec_embedding,
-            device=self.device,
-        )
+        """Prompt embeddings [P, H] and the trailing text column [N, H] of one request, in the
+        layout its TTSInputs select (see prompt.build_prompt). Host side, once per request."""
+        if not isinstance(inputs, TTSInputs):
+            raise ValueError(f"Qwen3-TTS takes TTSInputs, got {type(inputs).__name__}")
+        embed = PromptEmbedders(text=self.talker.project_text, codec=self.talker.model.codec_embedding,
+                                frames=self.frame_embed, dtype=self.dtype, device=self.device)
+        prompt, trailing = build_prompt(self.config, inputs, self.tokenizer, embed)
         if trailing.shape[0] > self.config.max_trailing_text:
             raise ValueError(f"text too long: {trailing.shape[0]} trailing tokens > max_trailing_text "
                              f"{self.config.max_trailing_text}")
         if prompt.shape[0] >= self.config.max_context:
-            raise ValueError(f"prompt of {prompt.shape[0]} positions leaves no room in max_context "
-                             f"{self.config.max_context}")
+            raise ValueError(f"prompt of {prompt.shape[0]} positions (instruct and voice-clone reference "
+                             f"included) leaves no room in max_context {self.config.max_context}")
         length = torch.tensor(trailing.shape[0], dtype=torch.int64, device=self.device)
         columns = {"trailing_text": trailing, "trailing_len": length}
         return PreparedPrompt(prompt_embeds=prompt, columns=columns)

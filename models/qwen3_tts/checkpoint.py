@@ -18,12 +18,23 @@ from .config import Qwen3TTSConfig
 # speaker encoder; the speech tokenizer normally lives in its own subfolder).
 IGNORED_PREFIXES = ("speaker_encoder.", "speech_tokenizer.")
 
+# generation_config.json of the released checkpoints. Upstream's from_pretrained refuses a
+# directory without it; it holds upstream's sampling defaults (this engine takes sampling
+# per request, so load_checkpoint does not read it).
+GENERATION_CONFIG = {
+    "do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0, "top_k": 50,
+    "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_p": 1.0, "subtalker_top_k": 50,
+    "max_new_tokens": 8192,
+}
+
 
 def save_checkpoint(model: Qwen3TTSTalker, directory: str | Path) -> Path:
-    """Write config.json and model.safetensors (upstream parameter names) into `directory`."""
+    """Write config.json, generation_config.json and model.safetensors (upstream parameter
+    names) into `directory`. The speech tokenizer (codec) is a separate model, not written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory

@@ -130,6 +130,24 @@ class Attention(nn.Module):
         vals = cache_v[write_slot].to(q.dtype)
         return self._attend(q, keys, vals, mask)
 
+    def forward_window(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                       cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """x [B, S, hidden] at positions start..start+S-1 of per-row caches [B, C, KV, D]:
+        write k/v there, then attend causally to positions [0, start + S) of the same row.
+
+        Only the written prefix is read (a static slice: `start` is a Python int), so the
+        rest of the cache may hold anything; keys never mix across rows.
+        """
+        q, k, v = self._qkv(x, cos, sin)
+        end = start + x.shape[-2]
+        cache_k[:, start:end] = k.to(cache_k.dtype)
+        cache_v[:, start:end] = v.to(cache_v.dtype)
+        keys = cache_k[:, None, :end].to(q.dtype)  # [B, 1, end, KV, D], shared by the S queries
+        vals = cache_v[:, None, :end].to(q.dtype)
+        key_pos = torch.arange(end, device=x.device)
+        mask = key_pos[None, :] <= key_pos[start:, None]  # [S query, end key]
+        return self._attend(q, keys, vals, mask)
+
     def forward_causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Plain causal attention over a sequence batch x [B, S, hidden] (no cache)."""
         q, k, v = self._qkv(x, cos, sin)

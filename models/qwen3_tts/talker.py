@@ -82,10 +82,28 @@ class CodePredictorModel(nn.Module):
             nn.Embedding(cfg.vocab_size, talker_hidden) for _ in range(cfg.num_code_groups - 1)
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H_cp] -> normed hidden [B, S, H_cp], causal, positions 0..S-1."""
-        for layer in self.layers:
-            x = layer(x, lambda attn, h: attn.forward_causal(h, cos, sin))
+    def new_cache(self, batch: int, positions: int, dtype: torch.dtype,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) [batch, positions, KV, D] for one frame's depth loop; entries are
+        written before they are read, so no initialisation is needed."""
+        attn = self.layers[0].self_attn
+        shape = (batch, positions, attn.kv_heads, attn.head_dim)
+        return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                for _ in self.layers]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, start: int = 0) -> torch.Tensor:
+        """x [B, S, H_cp] at positions start..start+S-1 -> normed hidden [B, S, H_cp], causal.
+
+        cos/sin are the S rows of those positions. Without `cache` the S tokens are the
+        whole sequence (start must be 0); with it they extend the rows' cached prefix.
+        """
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x = layer(x, lambda attn, h: attn.forward_causal(h, cos, sin))
+            else:
+                k, v = cache[i]
+                x = layer(x, lambda attn, h, k=k, v=v: attn.forward_window(h, cos, sin, start, k, v))
         return self.norm(x)
 
 
@@ -107,22 +125,26 @@ class CodePredictor(nn.Module):
 
     def generate(self, talker_hidden: torch.Tensor, cb0_embed: torch.Tensor, sample: CodebookSampler,
                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Re-prefill depth loop without KV: returns codes of codebooks 1..Q-1, [B, Q-1].
+        """Depth loop with a per-frame KV cache: returns codes of codebooks 1..Q-1, [B, Q-1].
 
-        Step g (1..Q-1) runs the stack over [proj(hidden), proj(e(cb0)), ..., proj(e(cb_{g-1}))]
-        and samples codebook g from lm_head[g-1] at position g.
+        The sequence is [proj(hidden), proj(e(cb0)), proj(e(cb1)), ...] at positions 0, 1, 2, ...;
+        codebook g is sampled from lm_head[g-1] at position g. Positions 0 and 1 are prefilled
+        together, then each sampled code is fed as one new position (Q - 2 single steps).
         """
-        vocab = self.cfg.vocab_size
-        seq = [self.small_to_mtp_projection(talker_hidden), self.small_to_mtp_projection(cb0_embed)]
+        groups, vocab = self.cfg.num_code_groups, self.cfg.vocab_size
+        x = self.small_to_mtp_projection(torch.stack([talker_hidden, cb0_embed], dim=1))  # [B, 2, H_cp]
+        # Positions 0..Q-1: the last code (Q-1) is sampled, never fed back.
+        cache = self.model.new_cache(x.shape[0], groups, x.dtype, x.device)
+        h = self.model(x, cos[:2], sin[:2], cache, start=0)[:, 1]
         out = []
-        for g in range(1, self.cfg.num_code_groups):
-            h = self.model(torch.stack(seq, dim=1), cos[: g + 1], sin[: g + 1])
-            token = sample(self.lm_head[g - 1](h[:, g]), g).long()
+        for g in range(1, groups):
+            token = sample(self.lm_head[g - 1](h), g).long()
             out.append(token)
-            if g < self.cfg.num_code_groups - 1:
+            if g < groups - 1:
                 # Out-of-range samples (a buggy sampler) must not index out of bounds.
                 emb = self.model.codec_embedding[g - 1](token.clamp(0, vocab - 1))
-                seq.append(self.small_to_mtp_projection(emb))
+                x = self.small_to_mtp_projection(emb)[:, None]
+                h = self.model(x, cos[g + 1:g + 2], sin[g + 1:g + 2], cache, start=g + 1)[:, 0]
         return torch.stack(out, dim=1)
 
 
