@@ -13,7 +13,9 @@ from mtp_fsm.sampling import (
     FAULT_EMPTY, FAULT_NAN, FAULT_OK, FAULT_POSINF, GREEDY, SamplingParams, filter_mask, gumbel_noise, mix32, row_key,
     sample_tokens, token_hash,
 )
+from mtp_fsm.sampling.candidates import top_k_candidates
 from mtp_fsm.sampling.noise import MASK32, NOISE_TABLE_SIZE, gumbel_table
+from mtp_fsm.sampling.sampler import NO_SAMPLED_ROWS
 from mtp_fsm.sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, MAX_VOCAB_FIXED, fixed_tables
 from mtp_fsm.testing.alone import torch_threads
 
@@ -293,3 +295,53 @@ def test_a_frames_noise_drawn_in_one_pass_equals_per_codebook_noise(seeds, frame
     block = gumbel_noise_codebooks(key, 1, count, vocab)
     for c in range(1, count + 1):
         assert torch.equal(block[c - 1], gumbel_noise(codebook_key(key, c), vocab))
+
+
+@st.composite
+def top_k_batches(draw):
+    """Top-k-only batches over vocabularies >= 4 k_max, with ties (coarse or bf16-rounded
+    scores, a tie group at the k-th value), -inf masks and greedy rows mixed in."""
+    b, v = draw(st.integers(1, 6)), draw(st.integers(8, 300))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    logits = torch.randn(b, v, generator=g) * draw(st.sampled_from([0.1, 1.0, 4.0]))
+    mode = draw(st.integers(0, 3))
+    if mode == 1:
+        logits = logits.round()  # large tie groups
+    elif mode == 2:
+        logits = logits.to(torch.bfloat16).float()
+    elif mode == 3:
+        logits[:, : v // 2] = logits[:, :1]  # half the row tied at one value
+    logits[torch.rand(b, v, generator=g) < 0.1] = float("-inf")
+    if draw(st.booleans()):
+        logits[0] = float("-inf")  # nothing left (an empty-row fault)
+    k_max = draw(st.integers(1, v // 4))
+    top_k = torch.tensor(draw(st.lists(st.integers(1, k_max), min_size=b, max_size=b)))
+    top_k[0] = k_max
+    temperature = torch.tensor(draw(st.lists(st.sampled_from([0.0, 0.7, 1.0, 1.5]), min_size=b, max_size=b)))
+    seed = torch.tensor(draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=b, max_size=b)), dtype=torch.int64)
+    frame = torch.tensor(draw(st.lists(st.integers(0, 5000), min_size=b, max_size=b)), dtype=torch.int64)
+    return logits, temperature, top_k, torch.ones(b), seed, frame, k_max
+
+
+@settings(max_examples=200, deadline=None)
+@given(top_k_batches(), st.integers(0, 15))
+def test_candidate_noise_gives_the_full_vocabulary_tokens(batch, codebook):
+    """Drawing noise for the top-k candidates only is the contract's Gumbel-max, bit for bit."""
+    logits, temperature, top_k, top_p, seed, frame, k_max = batch
+    full = sample_tokens(logits, temperature, top_k, top_p, seed, frame, codebook)
+    sampled = top_k[temperature > 0]
+    k_min = int(sampled.min()) if len(sampled) else NO_SAMPLED_ROWS
+    fast = sample_tokens(logits, temperature, top_k, top_p, seed, frame, codebook, top_k_max=k_max,
+                         any_top_p=False, top_k_min=k_min)
+    assert torch.equal(full[0], fast[0]) and torch.equal(full[1], fast[1])
+
+
+def test_a_tie_group_past_the_candidates_falls_back_to_the_whole_vocabulary():
+    scores = torch.zeros(1, 40)
+    scores[0, 0] = 5.0
+    sampled = torch.tensor([False])
+    assert top_k_candidates(scores, torch.tensor([2]), 2, torch.tensor([7]), sampled) is None  # 39 ids tie
+    scores[0, 1] = 4.0
+    assert top_k_candidates(scores, torch.tensor([2]), 2, torch.tensor([7]), sampled) is not None
+    scores[0, :2] = 0.0  # a greedy row whose maximum is tied past the candidates
+    assert top_k_candidates(scores, torch.tensor([2]), 2, torch.tensor([7]), torch.tensor([True])) is None

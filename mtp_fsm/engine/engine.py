@@ -303,7 +303,7 @@ class LockstepEngine:
             FrameBatch.empty(self.spec.num_codebooks),
             tuple(host.ended) + tuple(ended),
             RowOutput(
-                host.row_ids, host.batch.query_start_loc.cpu(), torch.zeros(rows, dtype=torch.bool),
+                host.row_ids, host.query_start_loc.clone(), torch.zeros(rows, dtype=torch.bool),
                 torch.zeros(rows, self.spec.num_codebooks, dtype=torch.int64),
             ),
             host.batch.num_tokens,
@@ -339,7 +339,7 @@ class LockstepEngine:
         )
         row_output = RowOutput(
             request_ids=host.row_ids,
-            query_start_loc=host.batch.query_start_loc.cpu(),
+            query_start_loc=host.query_start_loc.clone(),
             valid=torch.from_numpy(rows_np[:, OUT_VALID] == 1),
             codes=codes,
         )

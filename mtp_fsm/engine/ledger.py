@@ -22,7 +22,7 @@ from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, Span, StepPlan
 from .admission import Admission
 from .records import RequestRecord
-from .staging import build_batch, stage_admits
+from .staging import RowBatches, stage_admits
 
 
 @attrs.define
@@ -40,6 +40,7 @@ class HostStep:
     ended: list[FinishedRequest]  # aborts applied at this boundary
     admitted: list[RequestRecord]  # new and resumed requests given a slot at this boundary
     preempted: tuple[str, ...] = ()
+    query_start_loc: torch.Tensor | None = None  # host copy of batch.query_start_loc (shared: clone to publish)
 
 
 class Ledger:
@@ -62,6 +63,7 @@ class Ledger:
         self._next_serial = 1
         self._resuming: set[str] = set()
         self.admission = Admission(model, deferred=oracle.spec.deferred)
+        self._batches = RowBatches(table, self.spec)
         self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
         # Host mirror of the device, per slot, refreshed from each step's output copy.
         rows = table.max_slots + 1
@@ -316,22 +318,22 @@ class Ledger:
                 torch.tensor(ev_reasons, dtype=torch.int32).to(device),
             )
         admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT))
-        batch, row_records, slots_np = self._stage_rows(plan.rows)
+        batch, row_records, slots_np, query_start_loc = self._stage_rows(plan.rows)
         row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
         return HostStep(
             events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,
-            tuple(plan.preempts),
+            tuple(plan.preempts), query_start_loc,
         )
 
     def _stage_rows(self, rows: tuple[Span | None, ...]):
         records = [None if s is None else self.records[s.request_id] for s in rows]
         counts = [0 if s is None else s.num_tokens for s in rows]
-        batch, slots = build_batch(self.table, self.spec, records, counts)
+        batch, slots, query_start_loc = self._batches.build(records, counts)
         live_now = np.isin(self.slot_state[slots], self._live_codes)
         for record, n, is_live in zip(records, counts, live_now.tolist()):
             if record is not None and is_live:
                 record.num_computed += n
-        return batch, records, slots
+        return batch, records, slots, query_start_loc
 
     # -- after the step ------------------------------------------------------------------
 

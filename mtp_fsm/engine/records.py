@@ -17,7 +17,7 @@ class RequestRecord:
 
     __slots__ = (
         "request", "fsm", "prepared", "slot", "serial", "prompt_len", "num_computed",
-        "num_frames", "finish_reason", "replay_codes", "feed", "feed_done",
+        "num_frames", "finish_reason", "replay_codes", "feed", "feed_done", "sampling", "min_frames",
     )
 
     def __init__(self, request: NewRequest, fsm: RequestFSM, prepared: PreparedPrompt) -> None:
@@ -34,6 +34,9 @@ class RequestRecord:
         # Conditioning rows received so far (host copy: a resumed request re-uploads them).
         self.feed: torch.Tensor | None = prepared.feed
         self.feed_done = bool(prepared.feed_done)
+        # What the rows run with, resolved against the model once (staging.resolved).
+        self.sampling: tuple | None = None
+        self.min_frames = 0
 
     @property
     def feed_count(self) -> int:

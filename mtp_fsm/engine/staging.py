@@ -8,6 +8,7 @@ import torch
 from ..kernels.contract import ReplayFrames, StagedAdmits, StepBatch
 from ..model_api import ModelSpec
 from ..sampling import SamplingParams
+from ..sampling.sampler import NO_SAMPLED_ROWS
 from ..slots import SlotTable
 from .records import RequestRecord
 
@@ -25,6 +26,14 @@ def min_frames_of(spec: ModelSpec, request) -> int:
     return spec.min_frames if request.min_frames is None else request.min_frames
 
 
+def resolved(spec: ModelSpec, record: RequestRecord) -> tuple[SamplingParams, SamplingParams]:
+    """The record's (CB0, MTP) sampling, resolved once per request (with its min_frames)."""
+    if record.sampling is None:
+        record.sampling = sampling_of(spec, record.request)
+        record.min_frames = min_frames_of(spec, record.request)
+    return record.sampling
+
+
 def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord], trigger: int):
     """Values every admitted row is initialised with, and the frames resumed rows replay."""
     if not admitted:
@@ -35,14 +44,14 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
     for i, r in enumerate(admitted):
         prompts[i, : r.prepared.prompt_embeds.shape[0]] = r.prepared.prompt_embeds
     req = [r.request for r in admitted]
-    cb0, mtp = zip(*(sampling_of(spec, q) for q in req))
+    cb0, mtp = zip(*(resolved(spec, r) for r in admitted))
     values = {
         "serial": [r.serial for r in admitted], "prompt_len": [r.prompt_len for r in admitted],
         "num_frames": [r.num_frames for r in admitted], "max_frames": [q.max_frames for q in req],
         "seed": [q.seed for q in req],
         "cb0_temperature": [p.temperature for p in cb0], "cb0_top_k": [p.top_k for p in cb0],
         "cb0_top_p": [p.top_p for p in cb0], "cb0_penalty": [p.repetition_penalty for p in cb0],
-        "min_frames": [min_frames_of(spec, q) for q in req],
+        "min_frames": [r.min_frames for r in admitted],
         "mtp_temperature": [p.temperature for p in mtp], "mtp_top_k": [p.top_k for p in mtp],
         "mtp_top_p": [p.top_p for p in mtp],
     }
@@ -89,10 +98,31 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
     return StagedAdmits(slots, staged, trigger), replay
 
 
+class RowBatches:
+    """build_batch, keeping the last batch: a step whose rows, owners (slot, serial) and
+    token counts equal the previous step's, the steady decode batch, reuses its device
+    tensors and sampler facts (a request's parameters never change) instead of rebuilding
+    them: no tensor construction and no host-to-device copy for an unchanged batch."""
+
+    def __init__(self, table: SlotTable, spec: ModelSpec) -> None:
+        self.table, self.spec = table, spec
+        self._key: tuple | None = None
+        self._built: tuple[StepBatch, np.ndarray, torch.Tensor] | None = None
+
+    def build(self, records: list[RequestRecord | None], counts: list[int]):
+        """(StepBatch, slot per row as numpy, query_start_loc on the host)."""
+        key = (tuple(None if r is None else (r.slot, r.serial) for r in records), tuple(counts))
+        if key != self._key or self._built is None:
+            self._built = build_batch(self.table, self.spec, records, counts)
+            self._key = key
+        return self._built
+
+
 def build_batch(
     table: SlotTable, spec: ModelSpec, records: list[RequestRecord | None], counts: list[int],
-) -> tuple[StepBatch, np.ndarray]:
-    """The StepBatch for rows in order (None = padding, mapped to the scratch row)."""
+) -> tuple[StepBatch, np.ndarray, torch.Tensor]:
+    """The StepBatch for rows in order (None = padding, mapped to the scratch row), the
+    slot per row (numpy) and query_start_loc on the host."""
     scratch = table.max_slots
     starts = [0]
     for n in counts:
@@ -101,12 +131,12 @@ def build_batch(
     idx = [scratch if r is None else r.slot for r in records]
     token_rows = torch.repeat_interleave(torch.arange(len(records)), torch.tensor(counts, dtype=torch.int64))
     qsl = torch.tensor(starts, dtype=torch.int64)
-    live = [sampling_of(spec, r.request) for r in records if r is not None]
+    live = [resolved(spec, r) for r in records if r is not None]
     # Host-known sampler facts (no device read): the largest top_k and whether any row uses top-p.
-    cb0_k_max, cb0_top_p = _filter_facts(cb0 for cb0, _ in live)
+    cb0_k_max, cb0_top_p, cb0_k_min = _filter_facts(cb0 for cb0, _ in live)
     cb0_penalty = any(cb0.penalises for cb0, _ in live)
-    min_frames = any(min_frames_of(spec, r.request) > 0 for r in records if r is not None)
-    mtp_k_max, mtp_top_p = _filter_facts(mtp for _, mtp in live)
+    min_frames = any(r.min_frames > 0 for r in records if r is not None)
+    mtp_k_max, mtp_top_p, mtp_k_min = _filter_facts(mtp for _, mtp in live)
     batch = StepBatch(
         idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
         is_padding=torch.tensor([r is None for r in records], dtype=torch.bool).to(device),
@@ -122,14 +152,19 @@ def build_batch(
         cb0_any_top_p=cb0_top_p,
         mtp_top_k_max=mtp_k_max,
         mtp_any_top_p=mtp_top_p,
+        cb0_top_k_min=cb0_k_min,
+        mtp_top_k_min=mtp_k_min,
         cb0_penalty=cb0_penalty,
         cb0_min_frames=min_frames,
     )
-    return batch, np.array(idx, dtype=np.int64)
+    return batch, np.array(idx, dtype=np.int64), qsl
 
 
-def _filter_facts(params) -> tuple[int, bool]:
-    k_max, any_top_p = 0, False
+def _filter_facts(params) -> tuple[int, bool, int]:
+    """(largest top_k, any top-p, smallest top_k among the rows that sample)."""
+    k_max, any_top_p, k_min = 0, False, NO_SAMPLED_ROWS
     for p in params:
         k_max, any_top_p = max(k_max, p.top_k), any_top_p or p.top_p < 1.0
-    return k_max, any_top_p
+        if p.temperature > 0:
+            k_min = min(k_min, p.top_k)
+    return k_max, any_top_p, k_min

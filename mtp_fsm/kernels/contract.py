@@ -64,6 +64,9 @@ class StepBatch:
     cb0_any_top_p: bool = True
     mtp_top_k_max: int | None = None
     mtp_any_top_p: bool = True
+    # The smallest top_k among rows that sample (sampler.sample_tokens' top_k_min; None = unknown).
+    cb0_top_k_min: int | None = None
+    mtp_top_k_min: int | None = None
     # Host-known: some row has a CB0 repetition penalty != 1 / a min_frames > 0 (False
     # skips that work; True is always correct).
     cb0_penalty: bool = True

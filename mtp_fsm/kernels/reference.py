@@ -19,6 +19,7 @@ from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle
 from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..sampling.penalties import apply_repetition_penalty, suppress_eos
+from ..sampling.sampler import NO_SAMPLED_ROWS
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 
@@ -190,7 +191,7 @@ def sample_cb0(
     tokens, fault = sample_tokens(
         logits, table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot],
         table.seed[slot], table.num_frames[slot], 0, allowed=allowed, apply_filters=batch.cb0_filters,
-        top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p,
+        top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p, top_k_min=batch.cb0_top_k_min,
         rules=rules if batch.cb0_penalty or suppress else None,
     )
     bad = fault != 0
@@ -227,14 +228,15 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     def sample(logits: torch.Tensor, codebook: int, params: SamplingParams | None = None) -> torch.Tensor:
         if params is None:  # each row's own MTP parameters
             t, k, p, filters = temperature, top_k, top_p, batch.mtp_filters
-            k_max, any_p = batch.mtp_top_k_max, batch.mtp_any_top_p
+            k_max, any_p, k_min = batch.mtp_top_k_max, batch.mtp_any_top_p, batch.mtp_top_k_min
         else:  # a draw whose parameters the model owns (e.g. MOSS's stop head), same for every row
             t, k, p = (torch.full_like(c, v) for c, v in ((temperature, params.temperature), (top_k, params.top_k),
                                                           (top_p, params.top_p)))
             filters, k_max, any_p = params.filters, params.top_k, params.top_p < 1.0
+            k_min = params.top_k if params.temperature > 0 else NO_SAMPLED_ROWS
         tokens, kind = sample_tokens(
-            logits, t, k, p, seed, frame_index, codebook, apply_filters=filters,
-            key=key, top_k_max=k_max, any_top_p=any_p, noise=noise_for(codebook, logits.shape[-1]),
+            logits, t, k, p, seed, frame_index, codebook, apply_filters=filters, key=key, top_k_max=k_max,
+            any_top_p=any_p, top_k_min=k_min, noise=noise_for(codebook, logits.shape[-1]),
         )
         # Keep the lowest bad codebook, whatever order the hook samples them in.
         first = (kind != 0) & ((faults == 0) | ((faults >> FAULT_CODEBOOK_SHIFT) > int(codebook)))

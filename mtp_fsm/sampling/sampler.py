@@ -22,12 +22,15 @@ from typing import Callable
 
 import torch
 
+from .candidates import top_k_candidates
 from .faults import FAULT_EMPTY, FAULT_NAN, FAULT_POSINF
 from .noise import codebook_key, frame_key, gumbel_noise
 from .topp import FX_ONE, MAX_VOCAB_FIXED, fixed_weights
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
+# top_k_min when no row of the batch samples (every row greedy): no noise is drawn at all.
+NO_SAMPLED_ROWS = 1 << 62
 
 
 Rules = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [B, V] -> adjusted [B, V]
@@ -40,14 +43,14 @@ def row_faults(logits: torch.Tensor, allowed: torch.Tensor | None,
     `rules` adjust the row, and a row with nothing unmasked left is FAULT_EMPTY. NaN takes
     precedence over +inf over empty."""
     logits = logits.float()
-    has_nan = torch.isnan(logits).any(dim=-1)
-    has_posinf = (logits == POS_INF).any(dim=-1)
+    peak = logits.amax(dim=-1)  # NaN anywhere in the row -> NaN, else +inf if any: one pass
+    has_nan, has_posinf = torch.isnan(peak), peak == POS_INF
     logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=NEG_INF)  # a bad row still yields some token
     if allowed is not None:
         logits = logits.masked_fill(~allowed, NEG_INF)
     if rules is not None:
         logits = rules(logits)
-    empty = (logits == NEG_INF).all(dim=-1)
+    empty = logits.amax(dim=-1) == NEG_INF
     fault = torch.where(has_nan, FAULT_NAN, torch.where(has_posinf, FAULT_POSINF, empty.to(torch.int32) * FAULT_EMPTY))
     return logits, fault.to(torch.int32)
 
@@ -102,6 +105,7 @@ def sample_tokens(
     any_top_p: bool = True,
     noise: torch.Tensor | None = None,
     rules: Rules | None = None,
+    top_k_min: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens int64 [B], fault int32 [B]): 0 = ok, else
     FAULT_NAN / FAULT_POSINF / FAULT_EMPTY (`faults`; callers needing a bool use fault != 0).
@@ -113,11 +117,23 @@ def sample_tokens(
     step; top_k_max (the largest top_k of the rows) with any_top_p=False lets top-k use
     topk instead of a sort; noise [B, V] precomputed for this codebook (gumbel_noise_codebooks).
     rules: history rules applied to the read, masked logits (`penalties`), before the faults'
-    empty-row check.
+    empty-row check. top_k_min: the smallest top_k among the rows that sample (temperature >
+    0; 0 if one of them has no top-k, NO_SAMPLED_ROWS if every row is greedy): with top-k
+    only, CPU tensors and k_max <= V / 4, noise is drawn for the top k_max candidates only
+    (`candidates`), not all V ids.
     """
     logits, fault = row_faults(logits, allowed, rules)
     greedy = temperature <= 0
+    if top_k_min is not None and top_k_min >= NO_SAMPLED_ROWS:
+        return torch.argmax(logits, dim=-1), fault
     scores = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    vocab = logits.shape[-1]
+    if (apply_filters and not any_top_p and noise is None and top_k_max is not None and 0 < 4 * top_k_max <= vocab
+            and top_k_min is not None and top_k_min > 0 and logits.device.type == "cpu"):
+        key = frame_key(seed, frame_index) if key is None else key
+        tokens = top_k_candidates(scores, top_k, top_k_max, codebook_key(key, codebook), greedy)
+        if tokens is not None:
+            return tokens, fault
     if apply_filters:
         if not any_top_p and top_k_max is not None and top_k_max > 0:
             keep = top_k_mask(scores, top_k, top_k_max)
