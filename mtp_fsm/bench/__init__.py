@@ -1,4 +1,4 @@
-"""Side-by-side benchmarks: lockstep engine vs naive per-request designs, op counts, end to end."""
+"""Side-by-side benchmarks: a no-lifecycle floor, the lockstep engine, naive per-request designs; counts, e2e."""
 
 from .null_model import NullConfig, NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
 from .report import markdown_report, markdown_table, plot_step_time

@@ -1,4 +1,12 @@
-"""Three designs doing the same per-step work for B requests: lockstep engine, transitions, dicts."""
+"""The designs the bench compares, each doing the same per-step work for B requests.
+
+floor: the model calls and the engine's batched sampler with no lifecycle at all (what a
+step would cost if bookkeeping were free); engine: the lockstep engine; transitions: one
+static `transitions` machine and a light model object per request; dict_loop: per-request
+Python over request-keyed dicts. Every design samples with `sample_tokens` as the engine
+does (`batched.StepSampler`), so they publish bit-identical frames and differ only in
+lifecycle bookkeeping.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from ..lifecycle import (
 from ..lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES, RULE_REASON
 from ..model_api import MtpResult, TalkerModel
 from ..sampling import SamplingParams
-from .rowsample import RowSampler, faulty_rows
+from .batched import ParamColumns, StepSampler, cb0_allowed
 
 # A published frame as every driver reports it: (request id, frame index, codes).
 FrameKey = tuple[str, int, tuple[int, ...]]
@@ -37,6 +45,84 @@ class BenchRequest:
 def make_requests(n: int, inputs: object, *, max_frames: int = 10**6, prefix: str = "r") -> list[BenchRequest]:
     """n requests with distinct seeds and the default sampling (T=0.9, top-k 50, top-p 1)."""
     return [BenchRequest(f"{prefix}{i}", inputs, seed=1000 + 7919 * i, max_frames=max_frames) for i in range(n)]
+
+
+# -- (0) the floor: the same model calls and sampling, no lifecycle at all -----------------
+
+
+class FloorDriver:
+    """What a step costs with free bookkeeping: the model's hooks and the engine's batched
+    sampler over B rows that never change (every request decodes forever).
+
+    Its per-row inputs live in device tensors built once (slots, seeds, sampling columns)
+    and advanced in place (positions, frame indices); no states, no guards, no validation,
+    no per-request objects: a step is text_step + forward + cb0_logits + CB0 sampling + the
+    MTP hook with the sampler + frame_embed, and one copy of [frame index, codes] to the host.
+    It runs only that steady pattern (no EOS, length or fault handling), which is all the
+    NullTalker bench needs.
+    """
+
+    name = "floor"
+
+    def __init__(self, model: TalkerModel, requests: Sequence[BenchRequest], *, device="cpu") -> None:
+        device = torch.device(device)
+        self.model, self.spec, self.device = model, model.spec, device
+        self.requests = list(requests)
+        self.ids = [r.request_id for r in self.requests]
+        n = len(self.requests)
+        self.columns = {name: torch.full((n + 1, *c.shape), c.fill, dtype=c.dtype, device=device)
+                        for name, c in model.slot_columns().items()}
+        model.bind_slots(n, device, self.columns)
+        self.slots = torch.arange(n, device=device)
+        self.seed = torch.tensor([r.seed for r in self.requests], dtype=torch.int64, device=device)
+        self.frame_index = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.cb0_params = ParamColumns.of([r.cb0 for r in self.requests], device)
+        self.mtp_params = ParamColumns.of([r.mtp for r in self.requests], device)
+        self.allowed = cb0_allowed(self.spec, device)
+        self.frame_embeds: torch.Tensor | None = None
+
+    def admit(self) -> torch.Tensor:
+        """Prefill every request's whole prompt in one step (first frames)."""
+        prompts = []
+        for slot, req in enumerate(self.requests):
+            prepared = self.model.prepare(req.inputs)
+            for name, value in prepared.columns.items():
+                self.columns[name][slot][tuple(map(slice, value.shape))] = value.to(self.device)
+            prompts.append(prepared.prompt_embeds.to(self.device))
+        lengths = torch.tensor([int(p.shape[0]) for p in prompts], dtype=torch.int64, device=self.device)
+        token_slots = torch.repeat_interleave(self.slots, lengths)
+        ends = torch.cumsum(lengths, 0)
+        positions = torch.arange(int(ends[-1]), device=self.device) - (ends - lengths)[token_slots]
+        hidden = self.model.forward(torch.cat(prompts), positions, token_slots)
+        self.positions.copy_(lengths)
+        return self._frame(hidden[ends - 1])
+
+    def step(self) -> torch.Tensor:
+        text = self.model.text_step(self.columns, self.slots, (self.frame_index - 1).clamp(min=0))
+        inputs = self.frame_embeds + text.to(self.frame_embeds.dtype)
+        hidden = self.model.forward(inputs, self.positions, self.slots)
+        self.positions += 1
+        return self._frame(hidden)
+
+    def _frame(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        sampler = StepSampler(self.seed, self.frame_index, self.cb0_params, self.mtp_params,
+                              num_codebooks=self.spec.num_codebooks, allowed=self.allowed)
+        cb0, _ = sampler.cb0(self.model.cb0_logits(last_hidden))
+        if self.spec.has_mtp:
+            codes = self.model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1),
+                                   lambda logits, codebook, params=None: sampler.mtp(logits, codebook, params)[0])
+            if isinstance(codes, MtpResult):
+                codes = codes.codes
+        else:
+            codes = cb0[:, None]
+        self.frame_embeds = self.model.frame_embed(codes)
+        out = torch.cat([self.frame_index[:, None], codes.long()], dim=1).to("cpu", copy=True)  # the one copy
+        self.frame_index += 1
+        return out
+
+    def frames(self, out: torch.Tensor) -> list[FrameKey]:
+        return [(rid, row[0], tuple(row[1:])) for rid, row in zip(self.ids, out.tolist())]
 
 
 # -- (1) the lockstep engine ------------------------------------------------------------
@@ -81,9 +167,12 @@ class _PerRequestDriver:
 
     The lifecycle is the model's spec: per row and phase the step computes the predicates
     in plain Python and hands them to `run_phase`, which each design evaluates its own way
-    over the spec's stage chains (no trigger or state is named here). Sampling is per row
-    (RowSampler), bit-identical to the engine, so frames must match.
+    over the spec's stage chains (no trigger or state is named here). Sampling is the
+    engine's batched sampler over all rows (`StepSampler`), its per-row inputs gathered
+    from the per-request bookkeeping each step, so frames must match the engine's.
     """
+
+    sampler_class = StepSampler  # the bench's breakdown swaps in a timed subclass
 
     name = "?"
 
@@ -95,16 +184,13 @@ class _PerRequestDriver:
         self.requests = list(requests)
         # The model's own slot columns (text keys, ...), as the engine's slot table holds them.
         n = len(requests)
-        self.columns = {name: torch.full((n + 1, *c.shape), c.fill, dtype=c.dtype)
+        # Device-resident state a GPU port would keep (the per-step inputs are gathered from
+        # the per-request bookkeeping each step, host data the step then sends to the device).
+        self.device = torch.device("cpu")
+        self.columns = {name: torch.full((n + 1, *c.shape), c.fill, dtype=c.dtype, device=self.device)
                         for name, c in model.slot_columns().items()}
-        model.bind_slots(n, torch.device("cpu"), self.columns)
-        self.cb0_sampler = RowSampler(self.spec.backbone_vocab_size)
-        self.mtp_sampler = RowSampler(self.spec.codebook_size)
-        banned = torch.ones(self.spec.backbone_vocab_size, dtype=torch.bool)
-        banned[: self.spec.codebook_size] = False
-        if self.spec.eos_token_id is not None:
-            banned[self.spec.eos_token_id] = False
-        self.cb0_banned = banned
+        model.bind_slots(n, self.device, self.columns)
+        self.allowed = cb0_allowed(self.spec, self.device)
         self.rows = [r.request_id for r in self.requests]
 
     def admit(self) -> list[FrameKey]:
@@ -144,12 +230,16 @@ class _PerRequestDriver:
         hidden = self.model.forward(torch.cat(inputs), torch.tensor(positions), torch.tensor(token_slots))
         last_hidden = hidden[torch.tensor(last)]
         logits = self.model.cb0_logits(last_hidden)
-        cb0 = torch.stack([
-            self.cb0_sampler(logits[i], req.cb0, req.seed, self.num_frames(rid), 0, self.cb0_banned)
-            for i, (rid, req) in enumerate(zip(rows, reqs))
-        ])
-        # The host needs each row's CB0 (EOS) and logits health: one copy of each.
-        cb0_list, cb0_bad = cb0.tolist(), faulty_rows(logits).tolist()
+        # The sampler's per-row inputs, gathered from the per-request bookkeeping.
+        sampler = self.sampler_class(
+            torch.tensor([req.seed for req in reqs], dtype=torch.int64),
+            torch.tensor([self.num_frames(rid) for rid in rows], dtype=torch.int64),
+            ParamColumns.of([req.cb0 for req in reqs]), ParamColumns.of([req.mtp for req in reqs]),
+            num_codebooks=self.spec.num_codebooks, allowed=self.allowed,
+        )
+        cb0, cb0_fault = sampler.cb0(logits)
+        # The host needs each row's CB0 (EOS) and sampling health: one copy of each.
+        cb0_list, cb0_bad = cb0.tolist(), (cb0_fault != 0).tolist()
         eos = self.spec.eos_token_id
         for rid, token, bad, n in zip(rows, cb0_list, cb0_bad, scheduled):
             computed = self.computed(rid)
@@ -159,14 +249,12 @@ class _PerRequestDriver:
             self.run_phase(rid, Phase.SAMPLE, lambda _: facts)
 
         if self.spec.has_mtp:
-            mtp_bad = torch.zeros(len(rows), dtype=torch.bool)
+            mtp_bad = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
 
             def sample(mtp_logits: torch.Tensor, codebook: int, params=None) -> torch.Tensor:
-                mtp_bad.logical_or_(faulty_rows(mtp_logits))
-                return torch.stack([
-                    self.mtp_sampler(mtp_logits[i], params or req.mtp, req.seed, self.num_frames(rid), codebook)
-                    for i, (rid, req) in enumerate(zip(rows, reqs))
-                ])
+                tokens, fault = sampler.mtp(mtp_logits, codebook, params)
+                mtp_bad.logical_or_(fault != 0)
+                return tokens
 
             codes = self.model.mtp(last_hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
             stops = [False] * len(rows)
@@ -385,10 +473,12 @@ class DictLoopDriver(_PerRequestDriver):
         return self.request[rid]
 
 
-DRIVERS = {"engine": EngineDriver, "transitions": TransitionsDriver, "dict_loop": DictLoopDriver}
+DRIVERS = {"floor": FloorDriver, "engine": EngineDriver, "transitions": TransitionsDriver, "dict_loop": DictLoopDriver}
+# The designs that run a lifecycle (the floor runs only the steady decode pattern).
+LIFECYCLE_DESIGNS = ("engine", "transitions", "dict_loop")
 
 
-def make_drivers(model_factory, requests: Sequence[BenchRequest], names: Sequence[str] = tuple(DRIVERS)) -> dict:
+def make_drivers(model_factory, requests: Sequence[BenchRequest], names: Sequence[str] = LIFECYCLE_DESIGNS) -> dict:
     """One driver per design, each with its own model instance from `model_factory()`."""
     return {name: DRIVERS[name](model_factory(), requests) for name in names}
 

@@ -54,14 +54,24 @@ def instrument_engine(engine, enter: Callable[[str], None], leave: Callable[[str
             continue  # already an instance attribute: leave it alone
         setattr(model, name, _wrap(getattr(model, name), f"model:{name}", enter, leave))
         patched_model.append(name)
-    engine.kernels = namespace
-    ledger.stage = _wrap(ledger.stage, HOST_STAGE, enter, leave)
-    engine._build_output = _wrap(engine._build_output, HOST_OUTPUT, enter, leave)
+    # Every part of the engine holding the kernels (the engine, its device pipeline) gets the
+    # wrapped namespace; each is restored after.
+    holders = [obj for obj in (engine, getattr(engine, "_pipeline", None))
+               if obj is not None and getattr(obj, "kernels", None) is kernels]
+    for obj in holders:
+        obj.kernels = namespace
+    # Host stages by their current names; one the engine no longer has is left out (its work
+    # is then charged to the enclosing label, still inside the step).
+    hosts = [(obj, name, label) for obj, name, label in ((ledger, "stage", HOST_STAGE), (engine, "_build_output", HOST_OUTPUT))
+             if callable(getattr(obj, name, None)) and name not in vars(obj)]
+    for obj, name, label in hosts:
+        setattr(obj, name, _wrap(getattr(obj, name), label, enter, leave))
     try:
         yield
     finally:
-        engine.kernels = kernels
+        for obj in holders:
+            obj.kernels = kernels
         for name in patched_model:
             delattr(model, name)
-        del ledger.stage
-        del engine._build_output
+        for obj, name, _ in hosts:
+            delattr(obj, name)

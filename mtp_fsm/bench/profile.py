@@ -15,15 +15,17 @@ from .instrument import GLUE, HOST_OUTPUT, HOST_STAGE, instrument_engine
 
 
 class StageTimer:
-    """Exclusive wall time per stage label (nested stages are charged to the innermost)."""
+    """Exclusive time per stage label (nested stages are charged to the innermost) on
+    `clock` (time.perf_counter: wall; time.thread_time: this thread's CPU time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.stack: list[str] = []
         self.totals: collections.Counter[str] = collections.Counter()
-        self._mark = time.perf_counter()
+        self._mark = clock()
 
     def _charge(self) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         self.totals[self.stack[-1] if self.stack else GLUE] += now - self._mark
         self._mark = now
 
@@ -37,7 +39,7 @@ class StageTimer:
 
     def start(self) -> None:
         self.totals.clear()
-        self._mark = time.perf_counter()
+        self._mark = self.clock()
 
     def stop(self) -> dict[str, float]:
         self._charge()
@@ -61,17 +63,17 @@ def group_of(label: str) -> str:
     return "glue"
 
 
-def stage_split(driver, steps: int) -> dict:
+def stage_split(driver, steps: int, clock=time.perf_counter) -> dict:
     """Mean exclusive ms per stage label and per group over `steps` decode steps."""
-    timer = StageTimer()
+    timer = StageTimer(clock)
     per_label: dict[str, list[float]] = collections.defaultdict(list)
     totals = []
     with instrument_engine(driver.engine, timer.enter, timer.leave):
         for _ in range(steps):
             timer.start()
-            t0 = time.perf_counter()
+            t0 = clock()
             driver.step()
-            totals.append(time.perf_counter() - t0)
+            totals.append(clock() - t0)
             split = timer.stop()
             for label in set(per_label) | set(split):
                 per_label[label].append(split.get(label, 0.0))
@@ -122,41 +124,54 @@ def _short(path: str) -> str:
 
 
 class _Timed:
-    """A callable proxy accumulating the wall time spent in the wrapped callable."""
+    """A callable proxy accumulating the time spent in the wrapped callable on `clock`."""
 
-    def __init__(self, fn, sink: list[float]) -> None:
-        self.fn, self.sink = fn, sink
+    def __init__(self, fn, sink: list[float], clock=time.perf_counter) -> None:
+        self.fn, self.sink, self.clock = fn, sink, clock
 
     def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.sink[0] += time.perf_counter() - t0
+            self.sink[0] += self.clock() - t0
 
 
 NAIVE_HOOKS = ("run_phase", "on_frame")  # the naive drivers' lifecycle hooks
 
 
-def naive_breakdown(driver, steps: int) -> dict:
-    """Mean ms per step of a naive driver split into per-row sampling, lifecycle hooks (the
-    transitions triggers or the dict updates and guards) and the rest (model calls, input
-    composition, per-row Python). Instrumented steps, run apart from the timed ones."""
+def _timed_sampler(base, sink: list[float], clock):
+    """A subclass of the driver's StepSampler whose sampling calls add their time to sink."""
+
+    class TimedSampler(base):
+        def cb0(self, *args, **kwargs):
+            return _Timed(super().cb0, sink, clock)(*args, **kwargs)
+
+        def mtp(self, *args, **kwargs):
+            return _Timed(super().mtp, sink, clock)(*args, **kwargs)
+
+    return TimedSampler
+
+
+def naive_breakdown(driver, steps: int, clock=time.perf_counter) -> dict:
+    """Mean ms per step of a naive driver split into batched sampling (the engine's sampler,
+    the floor's work too), lifecycle hooks (the transitions triggers or the dict updates and
+    guards) and the rest (model calls, gathering per-row inputs, per-row Python).
+    Instrumented steps, run apart from the timed ones."""
     sampling, hooks = [0.0], [0.0]
-    samplers = driver.cb0_sampler, driver.mtp_sampler
-    driver.cb0_sampler, driver.mtp_sampler = _Timed(samplers[0], sampling), _Timed(samplers[1], sampling)
+    driver.sampler_class = _timed_sampler(type(driver).sampler_class, sampling, clock)
     for name in NAIVE_HOOKS:
-        setattr(driver, name, _Timed(getattr(driver, name), hooks))
+        setattr(driver, name, _Timed(getattr(driver, name), hooks, clock))
     total = 0.0
     try:
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0 = clock()
             driver.step()
-            total += time.perf_counter() - t0
+            total += clock() - t0
     finally:
-        driver.cb0_sampler, driver.mtp_sampler = samplers
+        del driver.sampler_class
         for name in NAIVE_HOOKS:
             delattr(driver, name)
     scale = 1e3 / steps
-    return {"step_ms": total * scale, "row_sampling_ms": sampling[0] * scale, "lifecycle_hooks_ms": hooks[0] * scale,
+    return {"step_ms": total * scale, "sampling_ms": sampling[0] * scale, "lifecycle_hooks_ms": hooks[0] * scale,
             "rest_ms": (total - sampling[0] - hooks[0]) * scale}

@@ -7,50 +7,113 @@ from typing import Sequence
 from .._util.marked_block import replace_marked_block
 
 DESIGN_TITLES = {
+    "floor": "floor (no lifecycle)",
     "engine": "lockstep engine",
     "transitions": "transitions static machine, FSM per request",
     "dict_loop": "per-request dict loop",
 }
+SHORT_TITLES = {"floor": "floor", "engine": "engine", "transitions": "transitions", "dict_loop": "dict loop"}
+CLOCK_WORDS = {
+    "cpu": "the step thread's CPU time (torch on 1 thread: the whole step runs there; time other processes "
+           "take the core away is left out)",
+    "wall": "wall time",
+}
 
 
-def _cell(d: dict) -> str:
+def _designs(sweep: dict) -> list[str]:
+    return list(next(iter(sweep.values()))["designs"]) if sweep else []
+
+
+def _stat(d: dict, clock: str) -> dict:
+    return d["cpu"] if clock == "cpu" else d
+
+
+def _cell(d: dict, clock: str = "wall") -> str:
     if "skipped" in d:
         return "skipped"
-    return f"{d['median_ms']:.2f} ({d['p10_ms']:.2f}–{d['p90_ms']:.2f})"
+    s = _stat(d, clock)
+    return f"{s['median_ms']:.2f} ({s['p10_ms']:.2f}–{s['p90_ms']:.2f})"
 
 
-def _ratio(d: dict) -> str:
-    return "–" if "skipped" in d else f"{d['ratio_vs_engine']:.1f}×"
+def _overhead(d: dict, clock: str) -> str:
+    if "skipped" in d:
+        return "–"
+    return f"{d[f'overhead_ms_{clock}']:+.2f} ({d[f'ratio_{clock}']:.2f}×)"
 
 
-def _sweep_table(sweep: dict, designs: Sequence[str]) -> str:
-    head = "| batch | " + " | ".join(
-        f"{DESIGN_TITLES.get(d, d)} ms" + ("" if d == "engine" else " | ×engine") for d in designs
-    ) + " | reps |"
-    sep = "|---:|" + "|".join("---:" if d == "engine" else "---:|---:" for d in designs) + "|---:|"
-    lines = [head, sep]
+def _sweep_table(sweep: dict, designs: Sequence[str], clock: str) -> str:
+    ref = next(iter(sweep.values())).get("reference", designs[0])
+    head = ["batch"]
+    for d in designs:
+        head.append(f"{SHORT_TITLES.get(d, d)} ms")
+        if d != ref:
+            head.append(f"{SHORT_TITLES.get(d, d)} overhead ms (×{SHORT_TITLES.get(ref, ref)})")
+    head.append("reps")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for b in sorted(sweep, key=int):
         row = sweep[b]["designs"]
-        cells = []
+        cells = [str(b)]
         for d in designs:
-            cells.append(_cell(row[d]))
-            if d != "engine":
-                cells.append(_ratio(row[d]))
-        lines.append(f"| {b} | " + " | ".join(cells) + f" | {sweep[b]['reps']} |")
+            cells.append(_cell(row[d], clock))
+            if d != ref:
+                cells.append(_overhead(row[d], clock))
+        cells.append(str(sweep[b]["reps"]))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _counts_cell(c: dict | None) -> str:
+    if not c:
+        return "–"
+    return f"{c['kernels']} ({c['device_ops']}/{c['host_ops']}) · {c['h2d']} · {c['d2h']} · {c['syncs']}"
+
+
+def counts_table(sweep: dict, designs: Sequence[str]) -> str:
+    """Whole-step counts of one steady decode step per design and batch."""
+    lines = ["| batch | " + " | ".join(f"{SHORT_TITLES.get(d, d)}: ops (device/host) · H2D · D2H · syncs" for d in designs) + " |",
+             "|---:|" + "---:|" * len(designs)]
+    for b in sorted(sweep, key=int):
+        row = sweep[b]["designs"]
+        lines.append(f"| {b} | " + " | ".join(_counts_cell(row[d].get("counts")) for d in designs) + " |")
+    return "\n".join(lines)
+
+
+def _reps_words(sweep: dict) -> str:
+    return ", ".join(f"B={b}: {sweep[b]['reps']}" for b in sorted(sweep, key=int))
+
+
+def _target_line(t: dict) -> str:
+    m = t["measured"]
+    value = "" if m is None or isinstance(m, dict) else f"{m:.3f}; "  # a dict's parts are in the detail
+    return f"- {t['name']} {t['target']}: **{'met' if t['met'] else 'missed'}** ({value}{t['detail']})"
+
+
 def markdown_table(results: dict) -> str:
-    """The README table: decode step time per design and batch size (median, p10–p90), ratios."""
+    """The README block: step time and lifecycle overhead per design and batch size, the
+    whole-step counts, and the targets."""
     life = results["lifecycle"]
-    designs = list(next(iter(life["sweep"].values()))["designs"])
-    cfg = life["config"]
+    sweep, cfg, clock = life["sweep"], life["config"], life.get("clock", "wall")
+    designs = _designs(sweep)
+    real = life.get("vocab", "real") == "real"
     note = (
-        f"Decode step, all B requests decoding; NullTalker (precomputed model outputs, Q={cfg['num_codebooks']}, "
-        f"CB0 vocab {cfg['backbone_vocab_size']}, codebook {cfg['codebook_size']}), sampling T=0.9 top-k 50; "
-        "median ms (p10–p90), designs interleaved in every repetition; ×engine = median / engine median."
+        f"Decode step, all B requests decoding; NullTalker (precomputed model outputs; Q={cfg['num_codebooks']}, "
+        f"CB0 vocab {cfg['backbone_vocab_size']}, codebook {cfg['codebook_size']}"
+        + (": the real Qwen3-TTS vocabularies" if real else ": vocabularies scaled down, NOT the real ones") + "). "
+        "Every design makes the same model calls and samples with the engine's batched sampler (T=0.9, top-k 50); "
+        "the floor does nothing else (no lifecycle). Step: median ms (p10–p90) of "
+        f"{CLOCK_WORDS.get(clock, clock)}; overhead = design − floor, median of the per-repetition differences "
+        "(× = median per-repetition ratio to the floor). Designs interleaved in every repetition; repetitions per "
+        f"batch size: {_reps_words(sweep)}."
     )
-    return note + "\n\n" + _sweep_table(life["sweep"], designs)
+    out = note + "\n\n" + _sweep_table(sweep, designs, clock)
+    if any("counts" in sweep[b]["designs"].get(d, {}) for b in sweep for d in designs):
+        out += ("\n\nOne steady decode step, whole step (host staging and output building included; "
+                "`mtp_fsm/bench/counters.py`): non-view aten ops (device / host), host-to-device copies, "
+                "device-to-host copies, host syncs (every D2H counts as one).\n\n" + counts_table(sweep, designs))
+    targets = results.get("targets")
+    if targets:
+        out += "\n\nTargets (computed from the table above):\n\n" + "\n".join(_target_line(t) for t in targets)
+    return out
 
 
 def _step_cells(row: dict | None) -> list[str]:
@@ -108,21 +171,14 @@ def update_readme(path: str, results: dict) -> bool:
     return replace_marked_block(path, README_BEGIN, README_END, body)
 
 
-def _counts_table(counts: dict) -> str:
-    lines = ["| batch | aten ops | non-view ops (≈launches) | syncs | D2H copies | H2D (host data) | host-stage ops |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+def _engine_counts_table(counts: dict) -> str:
+    lines = ["| batch | ops | device ops | host ops | H2D | D2H | syncs | ops per stage |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for b in sorted(counts["engine"], key=int):
         c = counts["engine"][b]["decode"]
-        lines.append(f"| {b} | {c['ops']} | {c['kernels']} | {c['syncs']} | {c['d2h']} | {c['h2d']} | {c['host_stage_ops']} |")
-    return "\n".join(lines)
-
-
-def _naive_counts_table(counts: dict) -> str:
-    lines = ["| design | batch | non-view ops / step | syncs / step |", "|---|---:|---:|---:|"]
-    for name, by_b in counts.get("naive", {}).items():
-        for b in sorted(by_b, key=int):
-            c = by_b[b]
-            lines.append(f"| {DESIGN_TITLES.get(name, name)} | {b} | {c['kernels']} | {c['syncs']} |")
+        stages = ", ".join(f"{k} {v}" for k, v in c["by_stage"].items())
+        lines.append(f"| {b} | {c['kernels']} | {c['device_ops']} | {c['host_ops']} | {c['h2d']} | {c['d2h']} | "
+                     f"{c['syncs']} | {stages} |")
     return "\n".join(lines)
 
 
@@ -164,27 +220,38 @@ def _admit_table(sweep: dict, designs: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _breakdown_lines(breakdown: dict, sweep: dict) -> list[str]:
+def _breakdown_lines(breakdown: dict) -> list[str]:
     b = breakdown["batch"]
-    engine = sweep.get(b, sweep.get(str(b), {})).get("designs", {}).get("engine", {})
     lines = []
     for name, x in breakdown["designs"].items():
         pct = lambda v: 100 * v / x["step_ms"]  # noqa: E731
         lines.append(
-            f"- {DESIGN_TITLES.get(name, name)}, B={b}: per-row sampling {pct(x['row_sampling_ms']):.0f}% "
-            f"({x['row_sampling_ms']:.1f} ms), lifecycle hooks {pct(x['lifecycle_hooks_ms']):.1f}% "
-            f"({x['lifecycle_hooks_ms']:.2f} ms), rest (model calls, input composition, per-row Python) "
+            f"- {DESIGN_TITLES.get(name, name)}, B={b}: batched sampling {pct(x['sampling_ms']):.0f}% "
+            f"({x['sampling_ms']:.1f} ms), lifecycle hooks {pct(x['lifecycle_hooks_ms']):.1f}% "
+            f"({x['lifecycle_hooks_ms']:.2f} ms), rest (model calls, gathering per-row inputs, per-row Python) "
             f"{pct(x['rest_ms']):.0f}% ({x['rest_ms']:.1f} ms) of an instrumented {x['step_ms']:.1f} ms step"
         )
-    if engine and "median_ms" in engine:
-        lines.append(f"- lockstep engine, B={b}: whole step {engine['median_ms']:.1f} ms (median of the timed reps; "
-                     "its split is in the profile section below)")
     return lines
+
+
+def _sites(sweep: dict, design: str) -> list[str]:
+    """Where the design's copies and syncs happen at its largest batch (each site once)."""
+    for b in sorted(sweep, key=int, reverse=True):
+        c = sweep[b]["designs"].get(design, {}).get("counts")
+        if c:
+            seen = {}
+            for site in c["sites"]:
+                seen[site] = seen.get(site, 0) + 1
+            return [f"B={b}: {site}" + (f" (×{n})" if n > 1 else "") for site, n in seen.items()]
+    return []
 
 
 def markdown_report(results: dict) -> str:
     """The whole results.md: header (date, machine), every table, targets, findings."""
     m = results["machine"]
+    life = results["lifecycle"]
+    sweep, clock = life["sweep"], life.get("clock", "wall")
+    designs = _designs(sweep)
     out = [
         "# mtp_fsm bench results",
         "",
@@ -193,52 +260,44 @@ def markdown_report(results: dict) -> str:
         f"bench wall {results.get('wall_s', 0):.0f} s · load average at start / end "
         f"{m.get('loadavg_start')} / {m.get('loadavg_end')} (other work shared the machine)",
         "",
-        "## Decode step time (lifecycle work only)",
+        "## Decode step time and lifecycle overhead",
         "",
         markdown_table(results),
     ]
-    designs = list(next(iter(results["lifecycle"]["sweep"].values()))["designs"])
+    other = "wall" if clock == "cpu" else "cpu"
+    out += ["", f"The same steps on the other clock ({CLOCK_WORDS[other]}):", "", _sweep_table(sweep, designs, other)]
     out += ["", "Admission: building the drivers' per-request state plus the admit + prefill step, ms, one shot:", "",
-            _admit_table(results["lifecycle"]["sweep"], designs)]
+            _admit_table(sweep, designs)]
     if results.get("naive_breakdown"):
-        out += ["", "Where the naive designs' decode step goes (2 instrumented steps apart from the timed ones, mean):", "",
-                *_breakdown_lines(results["naive_breakdown"], results["lifecycle"]["sweep"])]
-    real = results.get("real_vocab")
-    if real:
-        designs = list(next(iter(real["sweep"].values()))["designs"])
-        out += ["", "### Same, with the real Qwen3-TTS vocabularies (CB0 3072, codebook 2048)", "",
-                _sweep_table(real["sweep"], designs)]
-    targets = results.get("targets")
-    if targets:
-        out += ["", "## Targets", ""] + [
-            f"- {t['name']}: measured {t['measured']:.2f}, target {t['target']} → **{'met' if t['met'] else 'missed'}**"
-            for t in targets
-        ]
+        out += ["", f"Where the naive designs' decode step goes (2 instrumented steps apart from the timed ones, mean, "
+                    f"{clock} clock):", "",
+                *_breakdown_lines(results["naive_breakdown"])]
+    for d in designs:
+        sites = _sites(sweep, d)
+        if sites:
+            out += ["", f"Copies and syncs of one {DESIGN_TITLES.get(d, d)} step:", "", *[f"- {x}" for x in sites]]
     counts = results.get("counts")
     if counts:
         ok = counts["engine_constant"]
-        out += ["", "## Device ops and host syncs per engine decode step", "",
-                "Counted with a TorchDispatchMode over `LockstepEngine.step`, excluding `Ledger.stage` and "
-                "`_build_output` (host side). The D2H copy is the step's single output copy.", "",
-                _counts_table(counts), "",
-                f"Constant in batch size (non-view ops, syncs, copies, per-stage ops): **{'yes' if ok else 'NO'}**"]
+        out += ["", "## Engine whole-step counts at every batch size on one engine", "",
+                f"One `LockstepEngine` of {counts.get('max_slots', '?')} slots per batch size (small vocabularies: "
+                "counts do not depend on V), one steady decode step each:", "",
+                _engine_counts_table(counts), "",
+                f"Constant in batch size (ops, copies, syncs, ops per stage): **{'yes' if ok else 'NO'}**"]
         out += [f"- {d}" for d in counts.get("engine_differences", [])]
-        if counts.get("h2d_sites"):
-            out += ["", "Host-data tensors created inside the step (an H2D copy each on a GPU):", ""]
-            out += [f"- {s}" for s in counts["h2d_sites"]]
-        out += ["", "Naive designs (ops grow with the batch):", "", _naive_counts_table(counts)]
     profile = results.get("profile")
-    if profile:
-        out += ["", "## Where an engine step's time goes (exclusive ms per group, mean over steps)", "", _split_table(profile)]
+    if profile and profile.get("split"):
+        out += ["", f"## Where an engine step's time goes (exclusive ms per group, mean over steps, {clock} clock)", "",
+                _split_table(profile)]
         out += ["", *[f"- {line}" for line in profile.get("findings", [])]]
     models = results.get("models")
     if models:
         out += ["", "## Engine step per talker model (tiny demo sizes)", "", models_table(models)]
         details = []
-        for name, m in models["models"].items():
-            if "skipped" in m:
+        for name, mm in models["models"].items():
+            if "skipped" in mm:
                 continue
-            for b, r in m["batches"].items():
+            for b, r in mm["batches"].items():
                 extra = [f"{k} {r[k]}" for k in ("refills", "starved_fed", "feed_rows") if r.get(k)]
                 if r.get("finish_reasons"):
                     extra.append("finishes " + ", ".join(f"{k} {v}" for k, v in r["finish_reasons"].items()))
@@ -260,27 +319,25 @@ def plot_step_time(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    life = results["lifecycle"]
+    sweep, clock = life["sweep"], life.get("clock", "wall")
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    series = [("lifecycle", "", "-")]
-    if results.get("real_vocab"):
-        series.append(("real_vocab", " (real vocab)", ":"))
-    for key, suffix, style in series:
-        sweep = results[key]["sweep"]
-        designs = list(next(iter(sweep.values()))["designs"])
-        for i, d in enumerate(designs):
-            pts = [(int(b), sweep[b]["designs"][d]) for b in sorted(sweep, key=int) if "skipped" not in sweep[b]["designs"][d]]
-            if not pts:
-                continue
-            xs = [b for b, _ in pts]
-            ys = [s["median_ms"] for _, s in pts]
-            err = [[s["median_ms"] - s["p10_ms"] for _, s in pts], [s["p90_ms"] - s["median_ms"] for _, s in pts]]
-            ax.errorbar(xs, ys, yerr=err, linestyle=style, marker="o", markersize=3, capsize=2, color=f"C{i}",
-                        label=DESIGN_TITLES.get(d, d) + suffix)
+    for i, d in enumerate(_designs(sweep)):
+        pts = [(int(b), _stat(sweep[b]["designs"][d], clock)) for b in sorted(sweep, key=int)
+               if "skipped" not in sweep[b]["designs"][d]]
+        if not pts:
+            continue
+        xs = [b for b, _ in pts]
+        ys = [s["median_ms"] for _, s in pts]
+        err = [[s["median_ms"] - s["p10_ms"] for _, s in pts], [s["p90_ms"] - s["median_ms"] for _, s in pts]]
+        ax.errorbar(xs, ys, yerr=err, linestyle="--" if d == "floor" else "-", marker="o", markersize=3, capsize=2,
+                    color=f"C{i}", label=DESIGN_TITLES.get(d, d))
+    cfg = life["config"]
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size (requests decoding)")
-    ax.set_ylabel("decode step time, ms (median, p10–p90)")
-    ax.set_title("mtp_fsm: one decode step, lifecycle work only (NullTalker)")
+    ax.set_ylabel(f"decode step, ms ({clock}; median, p10–p90)")
+    ax.set_title(f"mtp_fsm: one decode step, NullTalker, CB0 {cfg['backbone_vocab_size']} / codebook {cfg['codebook_size']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

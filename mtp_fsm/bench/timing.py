@@ -1,4 +1,12 @@
-"""Side-by-side step timing of the designs at one batch size, interleaved across repetitions."""
+"""Side-by-side step timing of the designs at one batch size, interleaved across repetitions.
+
+Every repetition steps each design once (the order rotates), so all designs see the same
+machine load; lifecycle overhead is the median over repetitions of the paired difference
+(design step - floor step, both from that repetition), which cancels load that drifts
+between repetitions. Each step records wall time and the thread's CPU time: with torch
+limited to one intra-op thread the whole step runs on this thread, so CPU time leaves out
+the time other processes on a shared machine take the core away.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +15,26 @@ import time
 from typing import Sequence
 
 from .._util.stats import percentile
+from .counters import StepCounter
 from .drivers import DRIVERS, check_same_frames, make_requests
 from .null_model import NullConfig, NullInputs, NullTalker
 
 PROMPT_LEN = 4
+FLOOR = "floor"
+CLOCKS = ("wall", "cpu")
 
 
 def summary_ms(times_s: Sequence[float]) -> dict:
     ms = [1e3 * t for t in times_s]
     return {"median_ms": percentile(ms, 50), "p10_ms": percentile(ms, 10), "p90_ms": percentile(ms, 90), "n": len(ms)}
+
+
+def paired(times: dict[str, list[float]], name: str, base: str) -> dict:
+    """Overhead (median of design - base per repetition, ms) and ratio (median of
+    design / base per repetition) over the repetitions both designs ran."""
+    pairs = list(zip(times[name], times[base]))
+    return {"overhead_ms": percentile([1e3 * (d - f) for d, f in pairs], 50),
+            "ratio": percentile([d / f for d, f in pairs], 50)}
 
 
 def bench_batch(
@@ -26,67 +45,116 @@ def bench_batch(
     budget_s: float,
     min_reps: int = 3,
     max_reps: int = 30,
+    count: bool = True,
     log=print,
 ) -> dict:
     """Time one decode step of every design at `batch`, alternating designs in each repetition.
 
     All designs get the same requests (seeds, sampling) and the same precomputed model
     outputs; every step's published frames (request, index, codes) are checked identical.
-    Repetitions = budget_s / (sum of one warm step of each design), within [min_reps, max_reps].
+    Before the timed steps each design is built, admitted and stepped once under the op
+    counter (tracking), then one steady step is counted (ops, copies, syncs; `count`).
+    Repetitions run until `budget_s` of timed steps is spent, within [min_reps, max_reps]
+    and the slot table's room. The first design is the reference of the paired overheads
+    (the floor, when it runs).
     """
     requests = make_requests(batch, NullInputs(PROMPT_LEN))
-    drivers, setup_s, admit_s, first = {}, {}, {}, {}
+    drivers, counters, setup_s, admit_s, first = {}, {}, {}, {}, {}
     for name in designs:
-        t0 = time.perf_counter()
-        drivers[name] = DRIVERS[name](NullTalker(config), requests)
-        setup_s[name] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = drivers[name].admit()
-        admit_s[name] = time.perf_counter() - t0
+        counters[name] = counter = StepCounter()
+        with counter.tracking():
+            model = NullTalker(config)
+            t0 = time.perf_counter()
+            drivers[name] = DRIVERS[name](model, requests)
+            setup_s[name] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = drivers[name].admit()
+            admit_s[name] = time.perf_counter() - t0
         first[name] = drivers[name].frames(out)
     check_same_frames(first)
-    warm = {}
     outs = {}
-    for name in designs:
-        t0 = time.perf_counter()
-        out = drivers[name].step()
-        warm[name] = time.perf_counter() - t0
-        outs[name] = drivers[name].frames(out)
+    for name in designs:  # the first decode step after prefill: tracked, untimed
+        with counters[name].tracking():
+            outs[name] = drivers[name].frames(drivers[name].step())
     check_same_frames(outs)
-    room = config.max_context - PROMPT_LEN - 3  # decode steps the slot table has room for
-    reps = max(min_reps, min(max_reps, room, int(budget_s / max(sum(warm.values()), 1e-9))))
-    times: dict[str, list[float]] = {name: [] for name in designs}
+    counts = {}
+    if count:
+        for name in designs:
+            out = [None]
+            step = drivers[name].step
+            counts[name] = counters[name].count(lambda: out.__setitem__(0, step()), getattr(drivers[name], "engine", None))
+            outs[name] = drivers[name].frames(out[0])
+        check_same_frames(outs)
+    room = config.max_context - PROMPT_LEN - 3 - (2 if count else 1)  # decode steps the slot table has room for
+    max_reps = max(1, min(max_reps, room))
+    wall: dict[str, list[float]] = {name: [] for name in designs}
+    cpu: dict[str, list[float]] = {name: [] for name in designs}
     per_step_frames: dict[str, set[int]] = {name: set() for name in designs}
+    spent = 0.0
     gc.collect()
     gc.disable()
     try:
-        for rep in range(reps):
+        rep = 0
+        while rep < max_reps and (rep < min_reps or spent < budget_s):
             order = list(designs[rep % len(designs):]) + list(designs[: rep % len(designs)])
             outs = {}
             for name in order:
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 out = drivers[name].step()
-                times[name].append(time.perf_counter() - t0)
+                t1, c1 = time.perf_counter(), time.thread_time()
+                wall[name].append(t1 - t0)
+                cpu[name].append(c1 - c0)
+                spent += t1 - t0
                 outs[name] = out
             frames = {name: drivers[name].frames(outs[name]) for name in designs}
-            for name, count in check_same_frames(frames).items():
-                per_step_frames[name].add(count)
+            for name, n in check_same_frames(frames).items():
+                per_step_frames[name].add(n)
+            rep += 1
     finally:
         gc.enable()
-    engine_median = percentile(times[designs[0]], 50)
-    result = {"batch": batch, "reps": reps, "designs": {}}
+    base = designs[0]
+    result = {"batch": batch, "reps": rep, "reference": base, "designs": {}}
     for name in designs:
-        s = summary_ms(times[name])
-        s["ratio_vs_engine"] = percentile(times[name], 50) / engine_median
+        s = summary_ms(wall[name])
+        s["cpu"] = summary_ms(cpu[name])
+        s.update({f"{k}_wall": v for k, v in paired(wall, name, base).items()})
+        s.update({f"{k}_cpu": v for k, v in paired(cpu, name, base).items()})
+        s["times_ms"] = {"wall": [round(1e3 * t, 4) for t in wall[name]], "cpu": [round(1e3 * t, 4) for t in cpu[name]]}
         s["frames_per_step"] = sorted(per_step_frames[name])
         s["setup_ms"] = 1e3 * setup_s[name]
         s["admit_prefill_step_ms"] = 1e3 * admit_s[name]
+        if name in counts:
+            s["counts"] = counts[name].to_dict()
         result["designs"][name] = s
     result["frames_identical"] = True  # check_same_frames raised otherwise
-    log("  B=%-5d reps=%-3d %s" % (batch, reps, "  ".join(
-        f"{n} {result['designs'][n]['median_ms']:.2f}ms" + ("" if n == designs[0] else f" (x{result['designs'][n]['ratio_vs_engine']:.1f})")
+    log("  B=%-5d reps=%-3d %s" % (batch, rep, "  ".join(
+        f"{n} {result['designs'][n]['median_ms']:.2f}ms"
+        + ("" if n == base else f" (+{result['designs'][n]['overhead_ms_wall']:.2f} wall, "
+                                f"+{result['designs'][n]['overhead_ms_cpu']:.2f} cpu)")
         for n in designs)))
     return result
+
+
+# Timed seconds per batch size at budget 1.0 (scaled by --budget), and the repetition bounds:
+# small batches are cheap and noisy (many reps), batch 1024 at the real vocabularies is
+# seconds per step today (few reps). The totals keep `make bench` within minutes.
+BUDGET_SHARE = {1: 0.10, 8: 0.10, 64: 0.15, 256: 0.25, 1024: 0.40}
+REPS = {1: (10, 40), 8: (10, 40), 64: (5, 30), 256: (3, 20), 1024: (3, 10)}
+
+
+def reps_bounds(batch: int) -> tuple[int, int]:
+    """(min, max) repetitions at a batch size (the nearest listed size at or above)."""
+    for b in sorted(REPS):
+        if batch <= b:
+            return REPS[b]
+    return REPS[max(REPS)]
+
+
+def budget_share(batch: int) -> float:
+    for b in sorted(BUDGET_SHARE):
+        if batch <= b:
+            return BUDGET_SHARE[b]
+    return BUDGET_SHARE[max(BUDGET_SHARE)]
 
 
 def bench_sweep(
@@ -94,48 +162,21 @@ def bench_sweep(
     batch_sizes: Sequence[int],
     designs: Sequence[str] = tuple(DRIVERS),
     *,
-    budget_s: float = 8.0,
+    budget_s: float = 120.0,
     naive_max_batch: int | None = None,
+    count: bool = True,
     log=print,
 ) -> dict:
-    """bench_batch at every size; naive designs above `naive_max_batch` are skipped (recorded)."""
+    """bench_batch at every size (budget_s: timed seconds of the whole sweep, shared out by
+    BUDGET_SHARE); naive designs above `naive_max_batch` are skipped (recorded)."""
     out = {}
     for b in batch_sizes:
-        names = [d for d in designs if d == "engine" or naive_max_batch is None or b <= naive_max_batch]
-        res = bench_batch(config, b, names, budget_s=budget_s, log=log)
+        names = [d for d in designs if d in (FLOOR, "engine") or naive_max_batch is None or b <= naive_max_batch]
+        lo, hi = reps_bounds(b)
+        res = bench_batch(config, b, names, budget_s=budget_s * budget_share(b), min_reps=lo, max_reps=hi,
+                          count=count, log=log)
         for d in designs:
             if d not in names:
                 res["designs"][d] = {"skipped": f"not run above batch {naive_max_batch} (time budget)"}
         out[b] = res
-    return out
-
-
-def bench_engine_scaling(config: NullConfig, batch_sizes: Sequence[int], *, reps: int = 20, log=print) -> dict:
-    """Engine decode step at several batch sizes, stepped alternately (paired in time), so the
-    ratio between sizes is not skewed by load that changes between the sweep's batch sizes."""
-    from .drivers import EngineDriver
-
-    drivers = {}
-    for b in batch_sizes:
-        drivers[b] = EngineDriver(NullTalker(config), make_requests(b, NullInputs(PROMPT_LEN)))
-        drivers[b].admit()
-        drivers[b].step()
-    reps = min(reps, config.max_context - PROMPT_LEN - 3)
-    times: dict[int, list[float]] = {b: [] for b in batch_sizes}
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(reps):
-            for b in batch_sizes:
-                t0 = time.perf_counter()
-                drivers[b].step()
-                times[b].append(time.perf_counter() - t0)
-    finally:
-        gc.enable()
-    out = {b: summary_ms(t) for b, t in times.items()}
-    base = batch_sizes[0]
-    ratios = [t / s for t, s in zip(times[batch_sizes[-1]], times[base])]
-    out["paired_ratio_last_vs_first"] = percentile(ratios, 50)
-    log(f"  engine alone, alternating B={list(batch_sizes)}: " + ", ".join(f"B={b} {out[b]['median_ms']:.2f}ms" for b in batch_sizes)
-        + f"; B={batch_sizes[-1]}/B={base} = {out['paired_ratio_last_vs_first']:.2f} (median of paired ratios)")
     return out

@@ -41,10 +41,14 @@ def test_one_model_at_tiny_size_and_the_report():
     results = {
         "machine": {"date": "today", "cpu": "cpu", "cores": 2, "torch_threads": 1, "python": "3", "torch": "2",
                     "transitions": "0.9"},
-        "lifecycle": {"config": {"num_codebooks": 16, "backbone_vocab_size": 96, "codebook_size": 64},
-                      "sweep": {2: {"batch": 2, "reps": 1, "designs": {"engine": {
-                          "median_ms": 1.0, "p10_ms": 1.0, "p90_ms": 1.0, "n": 1, "ratio_vs_engine": 1.0,
-                          "frames_per_step": [2], "setup_ms": 0.0, "admit_prefill_step_ms": 0.0}}}}},
+        "lifecycle": {"config": {"num_codebooks": 16, "backbone_vocab_size": 3072, "codebook_size": 2048},
+                      "clock": "cpu", "sweep": {2: {"batch": 2, "reps": 1, "reference": "floor", "designs": {
+                          name: {"median_ms": 1.0, "p10_ms": 1.0, "p90_ms": 1.0, "n": 1,
+                                 "cpu": {"median_ms": 1.0, "p10_ms": 1.0, "p90_ms": 1.0, "n": 1},
+                                 "overhead_ms_wall": 0.0, "ratio_wall": 1.0, "overhead_ms_cpu": 0.0, "ratio_cpu": 1.0,
+                                 "times_ms": {"wall": [1.0], "cpu": [1.0]}, "frames_per_step": [2], "setup_ms": 0.0,
+                                 "admit_prefill_step_ms": 0.0}
+                          for name in ("floor", "engine")}}}},
         "models": section,
     }
     assert "## Engine step per talker model" in markdown_report(results)
