@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test bench soak diagrams gpu-check graphviz clean
+.PHONY: install demo test bench soak diagrams gpu-check graphviz clean parity
 
 install: $(STAMP)
 
@@ -47,5 +47,31 @@ diagrams: install graphviz
 gpu-check: install
 	$(PY) -m mtp_fsm.gpu.gpu_check --require-gpu
 
+# Qwen3-TTS vs the official implementation (PyPI qwen-tts 0.1.1), numerically: a virtualenv of its
+# own, since qwen-tts pins transformers==4.57.3. qwen-tts goes in last and --no-deps: its talker
+# modules (core/models: configuration + modeling) need only transformers, accelerate and librosa
+# (the modeling file imports librosa's mel filter at the top); gradio, onnxruntime, sox, torchaudio
+# and einops serve its demo and speech tokenizer only (tests/parity/parity_support.py says how
+# those are kept out of the import). The project goes in editable, with its runtime + test deps.
+PARITY_VENV := .venv-parity
+PARITY_PY := $(PARITY_VENV)/bin/python
+PARITY_STAMP := $(PARITY_VENV)/.installed
+PARITY_DEPS := transformers==4.57.3 accelerate==1.12.0 librosa \
+  transitions attrs numpy safetensors matplotlib pytest hypothesis
+
+$(PARITY_STAMP): pyproject.toml Makefile
+	@test -x $(PARITY_PY) || $(PYTHON) -m venv $(PARITY_VENV)
+	$(PARITY_PY) -m pip install -q --upgrade pip
+	$(PARITY_PY) -m pip install -q "$(TORCH_PIN)"
+	$(PARITY_PY) -m pip install -q $(PARITY_DEPS) "$(TORCH_PIN)"
+	$(PARITY_PY) -m pip install -q --no-deps qwen-tts==0.1.1
+	$(PARITY_PY) -m pip install -q --no-deps -e .
+	@touch $(PARITY_STAMP)
+
+# -s: one PARITY line per comparison; the run ends with the table of max differences (pyproject's
+# addopts already give -q). About 5 minutes of CPU after the install.
+parity: $(PARITY_STAMP)
+	$(PARITY_PY) -m pytest tests/parity -s
+
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PARITY_VENV) demo_out .pytest_cache .hypothesis
