@@ -23,7 +23,7 @@ import torch
 
 from .._util.stats import percentile
 from .._util.threads import torch_threads
-from .counters import constant_in_batch, engine_counts_by_batch
+from .step_counts import constant_in_batch, engine_counts_by_batch
 from .drivers import DRIVERS, make_requests
 from .null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
 from .report import markdown_report, markdown_table, models_table, plot_step_time, update_readme

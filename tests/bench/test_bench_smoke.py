@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mtp_fsm._util.threads import torch_threads
-from mtp_fsm.bench.counters import StepCounter, constant_in_batch, count_call, count_design_step, engine_counts_by_batch
+from mtp_fsm.bench.counters import StepCounter
+from mtp_fsm.bench.step_counts import constant_in_batch, count_call, count_design_step, engine_counts_by_batch
 from mtp_fsm.bench.drivers import DRIVERS, LIFECYCLE_DESIGNS, check_same_frames, make_drivers, make_requests
 from mtp_fsm.bench.null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
 from mtp_fsm.bench.report import markdown_report, markdown_table
