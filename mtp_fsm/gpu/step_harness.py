@@ -46,8 +46,10 @@ def scripted_requests(n: int, *, faults: bool = True, max_frames: int | None = N
                               nan_at=3 if faults and i % 9 == 4 else None, mtp_nan_at=2 if faults and i % 9 == 5 else None)
         out.append(NewRequest(
             f"{tag}{i}", inputs, max_frames=max_frames or 6 + i % 5, seed=1000 + 17 * i,
-            cb0_sampling=SamplingParams(0.0 if i % 3 == 0 else 0.9, 8 if i % 2 else 0, 0.9 if i % 3 == 2 else 1.0),
+            cb0_sampling=SamplingParams(0.0 if i % 3 == 0 else 0.9, 8 if i % 2 else 0, 0.9 if i % 3 == 2 else 1.0,
+                                        (1.0, 1.3, 0.7, None)[i % 4]),  # the CB0 history rules run too
             mtp_sampling=SamplingParams(1.1, 0, 1.0) if i % 2 else SamplingParams(0.8, 5, 0.8),
+            min_frames=(None, 2, 0)[i % 3],
         ))
     return out
 

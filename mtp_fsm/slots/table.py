@@ -83,7 +83,7 @@ class SlotTable:
             frame_embed=col((h,), spec.dtype), frame_codes=col((q,)), frame_log=col((c, q)), seed=col(),
             cb0_temperature=col(dtype=torch.float32), cb0_top_k=col(), cb0_top_p=col(dtype=torch.float32),
             mtp_temperature=col(dtype=torch.float32), mtp_top_k=col(), mtp_top_p=col(dtype=torch.float32),
-            cb0_penalty=col(dtype=torch.float32), min_frames=col(),
+            cb0_penalty=col(dtype=torch.float32) + 1.0, min_frames=col(),  # 1.0: no penalty (scratch row too)
             cb0_counts=col((spec.backbone_vocab_size,), torch.int32),
             error=col(dtype=torch.int32), fault=col(dtype=torch.int32), prompt_embeds=col((c, h), spec.dtype),
         )
@@ -110,6 +110,7 @@ class SlotTable:
         owned_by_admission = ("state", "error")
         defaults = {name: self.extra_fill.get(name, 0.0) for name in self.columns() if name not in owned_by_admission}
         defaults["finish_reason"] = float(FinishReason.NONE)
+        defaults["cb0_penalty"] = 1.0
         return defaults
 
     def row(self, slot: int) -> dict[str, torch.Tensor]:
