@@ -50,13 +50,15 @@ def in_class(lc: DeviceLifecycle, state: torch.Tensor, class_bit: int) -> torch.
 
 def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: torch.Tensor, facts_for) -> PhaseResult:
     """Every stage of `phase` over every row. facts_for(published_so_far) returns the stage's
-    predicate masks (a stage after a publishing one sees the frame counted). Each stage is
-    one gather of its chain's outcome at (state, predicate word)."""
+    predicate masks (a stage after a publishing one sees the frame counted); a dict is facts
+    that no stage changes (one word for the whole phase). Each stage is one gather of its
+    chain's outcome at (state, predicate word)."""
     reason = torch.zeros_like(state, dtype=torch.int32)
     published = torch.zeros_like(owned)
     stuck = torch.zeros_like(owned)
+    fixed = predicate_word(facts_for) if isinstance(facts_for, dict) else None
     for (total, _), outcomes in zip(lc.host_chains[phase], lc.outcomes[phase]):
-        word = predicate_word(facts_for(published))
+        word = fixed if fixed is not None else predicate_word(facts_for(published))
         outcome = outcomes[state.long() * WORDS + word]
         fired = owned & ((outcome & OUTCOME_FIRED) != 0)
         why = outcome >> OUTCOME_REASON_SHIFT
@@ -198,7 +200,7 @@ def sample_cb0(
     eos = tokens == eos_token_id if eos_token_id is not None else torch.zeros_like(bad)
     facts = {Predicate.PROMPT_DONE: computed >= table.prompt_len[slot], Predicate.CB0_FAULT: bad,
              Predicate.EOS_SAMPLED: eos}
-    result = run_phase(lc, Phase.SAMPLE, state, owned, lambda _: facts)
+    result = run_phase(lc, Phase.SAMPLE, state, owned, facts)
     table.num_computed[slot] = computed
     _record(table, slot, result)
     _record_fault(table, slot, owned, result, fault)  # codebook 0: the word is the kind
@@ -256,7 +258,7 @@ def mtp_scatter(
     owned = _owned(table, batch)
     facts = {Predicate.MTP_FAULT: mtp_faults != 0,
              Predicate.MTP_STOP: torch.zeros_like(owned) if mtp_stop is None else mtp_stop.to(torch.bool)}
-    result = run_phase(lc, Phase.MTP, table.state[slot], owned, lambda _: facts)
+    result = run_phase(lc, Phase.MTP, table.state[slot], owned, facts)
     _record(table, slot, result)
     _record_fault(table, slot, owned, result, mtp_faults)
 
