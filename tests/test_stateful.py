@@ -23,7 +23,7 @@ from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycl
 # Tuned so the whole file runs in under 3 minutes on 2 cores.
 CHECKS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 SETTINGS = {
-    "mtp": settings(max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+    "mtp": settings(max_examples=250, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "single_codebook": settings(max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "mtp_stop": settings(max_examples=220, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "conditioned": settings(max_examples=250, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
