@@ -25,30 +25,21 @@ from typing import Callable
 import attrs
 import torch
 
+from models.qwen3_tts.prompt import ByteTextTokenizer
+
 from .config import Qwen3OmniConfig
 
 
 @attrs.frozen
-class ThinkerStandIn:
-    """The tiny demo's thinker: UTF-8 bytes 0..255 plus specials, embedded by a fixed seeded table.
+class ThinkerStandIn(ByteTextTokenizer):
+    """The tiny demo's thinker: the byte tokenizer's ids (UTF-8 bytes 0..255 plus specials),
+    embedded by a fixed seeded table.
 
     Real deployments feed the real thinker's rows (OmniInputs.prompt_rows, engine.feed()).
     """
 
-    vocab_size: int = 512
-    im_start_id: int = 256
-    im_end_id: int = 257
-    assistant_id: int = 258
-    tts_pad_id: int = 259
-    tts_bos_id: int = 260
-    tts_eos_id: int = 261
-    user_id: int = 262
-    newline_id: int = 10  # the byte "\n"
     seed: int = 0x0511
     std: float = 1.0
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
 
 
 STAND_IN = ThinkerStandIn()
