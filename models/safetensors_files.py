@@ -24,3 +24,18 @@ def weight_files(directory: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"shards named by the index are missing: {missing}")
     return files
+
+
+def check_match(directory: Path, missing: list[str], unexpected: list[str], mismatched: list[str],
+                noun: str = "keys") -> None:
+    """Raise CheckpointError listing what does not match (missing, unexpected, wrong shape), if anything."""
+    if not (missing or unexpected or mismatched):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {noun}: {missing}")
+    if unexpected:
+        parts.append(f"unexpected {noun}: {sorted(set(unexpected))}")
+    if mismatched:
+        parts.append(f"shape mismatches: {mismatched}")
+    raise CheckpointError(f"checkpoint {directory} does not match its config: " + "; ".join(parts))

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.safetensors_files import CheckpointError
+from models.safetensors_files import CheckpointError, check_match
 
 from .adapter import ChatterboxTalker
 from .config import ChatterboxConfig
@@ -93,15 +93,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
                     mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(params[key].shape)}")
                 located[key] = path
     missing = sorted(set(params) - set(located))
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors: {missing}")
-        if unexpected:
-            parts.append(f"unexpected tensors: {sorted(unexpected)}")
-        if mismatched:
-            parts.append(f"shape mismatches: {mismatched}")
-        raise CheckpointError(f"checkpoint {directory} does not match its config: " + "; ".join(parts))
+    check_match(directory, missing, unexpected, mismatched, noun='tensors')
     by_file: dict[Path, list[str]] = {}
     for key, path in located.items():
         by_file.setdefault(path, []).append(key)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.safetensors_files import CheckpointError, weight_files
+from models.safetensors_files import CheckpointError, check_match, weight_files
 
 from .adapter import MossTTSLocalTalker
 from .config import MossTTSLocalConfig
@@ -64,15 +64,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
                     mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(params[key].shape)}")
                 located[key] = path
     missing = sorted(set(params) - set(located))
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys: {sorted(unexpected)}")
-        if mismatched:
-            parts.append(f"shape mismatches: {mismatched}")
-        raise CheckpointError(f"checkpoint {directory} does not match its config: " + "; ".join(parts))
+    check_match(directory, missing, unexpected, mismatched)
     by_file: dict[Path, list[str]] = {}
     for key, path in located.items():
         by_file.setdefault(path, []).append(key)

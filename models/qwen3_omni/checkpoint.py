@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.safetensors_files import CheckpointError, weight_files
+from models.safetensors_files import CheckpointError, check_match, weight_files  # noqa: F401  (CheckpointError re-exported)
 
 from .adapter import Qwen3OmniTalker
 from .config import Qwen3OmniConfig
@@ -113,15 +113,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
         missing.append(f"{THINKER_EMBED} (its tts_bos/tts_eos/tts_pad rows condition the talker)")
     elif thinker[1] != width:
         mismatched.append(f"{THINKER_EMBED}: checkpoint {thinker[1]} vs config {width}")
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys: {sorted(set(unexpected))}")
-        if mismatched:
-            parts.append(f"shape mismatches: {mismatched}")
-        raise CheckpointError(f"checkpoint {directory} does not match its config: " + "; ".join(parts))
+    check_match(directory, missing, unexpected, mismatched)
     by_file: dict[Path, dict[str, list[str]]] = {}
     for name, (path, key) in located.items():
         by_file.setdefault(path, {}).setdefault(key, []).append(name)
