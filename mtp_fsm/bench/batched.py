@@ -18,7 +18,7 @@ import torch
 
 from ..kernels.reference import BATCHED_NOISE_ELEMENTS
 from ..sampling import SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
-from ..sampling.sampler import NO_SAMPLED_ROWS
+from ..sampling.params import sampler_facts
 
 
 @attrs.frozen
@@ -37,11 +37,7 @@ class ParamColumns:
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> "ParamColumns":
         """Columns from per-row parameters (host lists -> tensors: the per-step staging cost
         a design without persistent columns pays)."""
-        k_max, any_p, k_min = 0, False, NO_SAMPLED_ROWS
-        for p in params:
-            k_max, any_p = max(k_max, p.top_k), any_p or p.top_p < 1.0
-            if p.temperature > 0:
-                k_min = min(k_min, p.top_k)
+        k_max, any_p, k_min = sampler_facts(params)
         return cls(
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
@@ -53,8 +49,7 @@ class ParamColumns:
         """The same rows with one set of parameters the model owns (e.g. MOSS's stop head)."""
         return ParamColumns(
             torch.full_like(self.temperature, params.temperature), torch.full_like(self.top_k, params.top_k),
-            torch.full_like(self.top_p, params.top_p), params.filters, params.top_k, params.top_p < 1.0,
-            params.top_k if params.temperature > 0 else NO_SAMPLED_ROWS,
+            torch.full_like(self.top_p, params.top_p), params.filters, *sampler_facts([params]),
         )
 
 

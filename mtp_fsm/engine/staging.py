@@ -8,7 +8,7 @@ import torch
 from ..kernels.contract import ReplayFrames, StagedAdmits, StepBatch
 from ..model_api import ModelSpec
 from ..sampling import SamplingParams
-from ..sampling.sampler import NO_SAMPLED_ROWS
+from ..sampling.params import sampler_facts
 from ..slots import SlotTable
 from .records import RequestRecord
 
@@ -133,10 +133,10 @@ def build_batch(
     qsl = torch.tensor(starts, dtype=torch.int64)
     live = [resolved(spec, r) for r in records if r is not None]
     # Host-known sampler facts (no device read): the largest top_k and whether any row uses top-p.
-    cb0_k_max, cb0_top_p, cb0_k_min = _filter_facts(cb0 for cb0, _ in live)
+    cb0_k_max, cb0_top_p, cb0_k_min = sampler_facts(cb0 for cb0, _ in live)
     cb0_penalty = any(cb0.penalises for cb0, _ in live)
     min_frames = any(r.min_frames > 0 for r in records if r is not None)
-    mtp_k_max, mtp_top_p, mtp_k_min = _filter_facts(mtp for _, mtp in live)
+    mtp_k_max, mtp_top_p, mtp_k_min = sampler_facts(mtp for _, mtp in live)
     batch = StepBatch(
         idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
         is_padding=torch.tensor([r is None for r in records], dtype=torch.bool).to(device),
@@ -158,13 +158,3 @@ def build_batch(
         cb0_min_frames=min_frames,
     )
     return batch, np.array(idx, dtype=np.int64), qsl
-
-
-def _filter_facts(params) -> tuple[int, bool, int]:
-    """(largest top_k, any top-p, smallest top_k among the rows that sample)."""
-    k_max, any_top_p, k_min = 0, False, NO_SAMPLED_ROWS
-    for p in params:
-        k_max, any_top_p = max(k_max, p.top_k), any_top_p or p.top_p < 1.0
-        if p.temperature > 0:
-            k_min = min(k_min, p.top_k)
-    return k_max, any_top_p, k_min

@@ -19,7 +19,7 @@ from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle
 from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..sampling.penalties import apply_repetition_penalty, suppress_eos
-from ..sampling.sampler import NO_SAMPLED_ROWS
+from ..sampling.params import sampler_facts
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 
@@ -234,8 +234,8 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         else:  # a draw whose parameters the model owns (e.g. MOSS's stop head), same for every row
             t, k, p = (torch.full_like(c, v) for c, v in ((temperature, params.temperature), (top_k, params.top_k),
                                                           (top_p, params.top_p)))
-            filters, k_max, any_p = params.filters, params.top_k, params.top_p < 1.0
-            k_min = params.top_k if params.temperature > 0 else NO_SAMPLED_ROWS
+            filters = params.filters
+            k_max, any_p, k_min = sampler_facts([params])
         tokens, kind = sample_tokens(
             logits, t, k, p, seed, frame_index, codebook, apply_filters=filters, key=key, top_k_max=k_max,
             any_top_p=any_p, top_k_min=k_min, noise=noise_for(codebook, logits.shape[-1]),

@@ -10,6 +10,8 @@ import attrs
 # The largest count a request may carry (top_k, max_frames): it must fit the slot table's
 # integer columns and every index computed from it.
 MAX_COUNT = 2**31 - 1
+# sampler_facts' smallest top_k when no row samples (every row greedy): no noise is drawn.
+NO_SAMPLED_ROWS = 1 << 62
 
 
 @attrs.frozen
@@ -59,3 +61,15 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def sampler_facts(params) -> tuple[int, bool, int]:
+    """Host-known facts of a batch's rows for `sample_tokens` (no device read): the largest
+    top_k, whether any row uses top-p, and the smallest top_k among the rows that sample
+    (temperature > 0; NO_SAMPLED_ROWS when every row is greedy)."""
+    k_max, any_top_p, k_min = 0, False, NO_SAMPLED_ROWS
+    for p in params:
+        k_max, any_top_p = max(k_max, p.top_k), any_top_p or p.top_p < 1.0
+        if p.temperature > 0:
+            k_min = min(k_min, p.top_k)
+    return k_max, any_top_p, k_min

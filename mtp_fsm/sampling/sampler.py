@@ -25,12 +25,11 @@ import torch
 from .candidates import top_k_candidates
 from .faults import FAULT_EMPTY, FAULT_NAN, FAULT_POSINF
 from .noise import codebook_key, frame_key, gumbel_noise
+from .params import NO_SAMPLED_ROWS
 from .topp import FX_ONE, MAX_VOCAB_FIXED, fixed_weights
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
-# top_k_min when no row of the batch samples (every row greedy): no noise is drawn at all.
-NO_SAMPLED_ROWS = 1 << 62
 
 
 Rules = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [B, V] -> adjusted [B, V]
