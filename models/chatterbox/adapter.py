@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from models.module_init import materialize, seeded_normal_init
 from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import ModelSpec, PreparedPrompt, TalkerModel
 
@@ -27,12 +28,7 @@ class ChatterboxTalker(SlotKVCache, TalkerModel):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        with torch.device("meta"):
-            module = T3Turbo(config)
-        module = module.to(dtype=dtype)
-        if self.device.type != "meta":
-            module = module.to_empty(device=self.device)
-        self.module = module.eval().requires_grad_(False)
+        self.module = materialize(lambda: T3Turbo(config), dtype, self.device)
         if init_weights and self.device.type != "meta":
             self._init_weights(seed)
         if tokenizer is None and config.text_tokenizer == "bytes":
@@ -58,19 +54,9 @@ class ChatterboxTalker(SlotKVCache, TalkerModel):
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        """GPT-2 style init, deterministic from the seed alone: values are drawn on the CPU
-        in float32, in module order, then cast, so every dtype and device gets the same numbers."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.init_std
-        for module in self.module.modules():
-            if isinstance(module, LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-            elif isinstance(module, (Conv1D, Linear, torch.nn.Embedding)):
-                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-                module.weight.copy_(w)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+        """GPT-2 style init, deterministic from the seed alone (models.module_init)."""
+        seeded_normal_init(self.module, seed, self.config.init_std,
+                           weights=(Conv1D, Linear, torch.nn.Embedding), norms=(LayerNorm,))
 
     # ---------------------------------------------------------------- admission
 

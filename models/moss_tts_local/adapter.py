@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from models.module_init import materialize, seeded_normal_init
 from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import CodebookSampler, ModelSpec, MtpResult, PreparedPrompt, TalkerModel
 from mtp_fsm.sampling import SamplingParams
@@ -58,12 +59,7 @@ class MossTTSLocalTalker(SlotKVCache, TalkerModel):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        with torch.device("meta"):
-            module = MossTTSLocalRoot(config)
-        module = module.to(dtype=dtype)
-        if self.device.type != "meta":
-            module = module.to_empty(device=self.device)
-        self.module = module.eval().requires_grad_(False)
+        self.module = materialize(lambda: MossTTSLocalRoot(config), dtype, self.device)
         if init_weights and self.device.type != "meta":
             self._init_weights(seed)
         if tokenizer is None and config.text_tokenizer == "bytes":
@@ -93,21 +89,9 @@ class MossTTSLocalTalker(SlotKVCache, TalkerModel):
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        """Deterministic from the seed alone: values are drawn on the CPU in float32, in
-        module order, then cast, so every dtype and device gets the same numbers."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.init_std
-        for module in self.module.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-            elif isinstance(module, (Linear, torch.nn.Embedding)):
-                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-                module.weight.copy_(w)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+        """Deterministic from the seed alone (models.module_init)."""
+        seeded_normal_init(self.module, seed, self.config.init_std,
+                           weights=(Linear, torch.nn.Embedding), norms=(RMSNorm, LayerNorm))
         if self.config.demo_stop_wiring:
             self._wire_demo_stop()
 

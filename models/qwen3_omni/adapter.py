@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.module_init import materialize, seeded_normal_init
 from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import (
     FEED_COUNT,
@@ -50,12 +51,7 @@ class Qwen3OmniTalker(SlotKVCache, TalkerModel):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        with torch.device("meta"):
-            module = Qwen3OmniRoot(config)
-        module = module.to(dtype=dtype)
-        if self.device.type != "meta":
-            module = module.to_empty(device=self.device)
-        self.module = module.eval().requires_grad_(False)
+        self.module = materialize(lambda: Qwen3OmniRoot(config), dtype, self.device)
         width = config.thinker_hidden_size
         self.thinker_special_rows = torch.zeros(3, width, dtype=dtype, device=self.device)
         if thinker_special_rows is not None:
@@ -99,17 +95,9 @@ class Qwen3OmniTalker(SlotKVCache, TalkerModel):
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        """Deterministic from the seed alone: values drawn on the CPU in float32 in module order, then cast."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.init_std
-        for module in self.module.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, (Linear, torch.nn.Embedding, TopKRouter)):
-                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-                module.weight.copy_(w)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+        """Deterministic from the seed alone (models.module_init)."""
+        seeded_normal_init(self.module, seed, self.config.init_std,
+                           weights=(Linear, torch.nn.Embedding, TopKRouter), norms=(RMSNorm,))
         if self.config.demo_eos_wiring:
             self._wire_demo_eos()
 

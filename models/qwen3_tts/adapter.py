@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.module_init import materialize, seeded_normal_init
 from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import CodebookSampler, ColumnSpec, ModelSpec, PreparedPrompt, TalkerModel
 
@@ -34,12 +35,7 @@ class Qwen3TTSTalker(SlotKVCache, TalkerModel):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        with torch.device("meta"):
-            module = Qwen3TTSRoot(config)
-        module = module.to(dtype=dtype)
-        if self.device.type != "meta":
-            module = module.to_empty(device=self.device)
-        self.module = module.eval().requires_grad_(False)
+        self.module = materialize(lambda: Qwen3TTSRoot(config), dtype, self.device)
         if init_weights and self.device.type != "meta":
             self._init_weights(seed)
         if tokenizer is None and config.text_tokenizer == "bytes":
@@ -76,18 +72,9 @@ class Qwen3TTSTalker(SlotKVCache, TalkerModel):
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        """Deterministic from the seed alone: values are drawn on the CPU in float32, in
-        module order, then cast, so every dtype and device gets the same numbers."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.init_std
-        for module in self.module.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, (Linear, torch.nn.Embedding)):
-                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-                module.weight.copy_(w)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+        """Deterministic from the seed alone (models.module_init)."""
+        seeded_normal_init(self.module, seed, self.config.init_std,
+                           weights=(Linear, torch.nn.Embedding), norms=(RMSNorm,))
         if self.config.demo_eos_wiring:
             self._wire_demo_eos()
 
