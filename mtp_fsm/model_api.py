@@ -128,6 +128,21 @@ def feed_columns(spec: "ModelSpec") -> dict[str, "ColumnSpec"]:
     }
 
 
+@attrs.frozen
+class KVCacheLayout:
+    """The backbone's per-position KV memory, for a host that accounts for it in blocks
+    (vLLM's KV-cache manager): `num_layers` (K, V) pairs of [kv_heads, head_dim] each."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_position(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
 class TalkerModel(abc.ABC):
     """A talker backbone plus (optionally) its MTP hook, driven by the lockstep engine.
 
@@ -153,6 +168,10 @@ class TalkerModel(abc.ABC):
         columns: the slot table's tensors for this model's registered columns (rows
         max_slots + 1, the last is scratch), for models whose forward reads them.
         """
+
+    def kv_cache_layout(self) -> KVCacheLayout | None:
+        """The per-position KV memory of one slot (None: the model keeps no KV cache)."""
+        return None
 
     @abc.abstractmethod
     def reset_slots(self, slots: torch.Tensor) -> None:

@@ -49,8 +49,9 @@ def resolve(spec: str) -> Any:
         raise ModelLoadError(f"model {spec!r}: cannot resolve it: {exc}") from exc
 
 
-def load_talker(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedTalker:
-    """Call the factory `spec` names with `seed`.
+def load_talker(spec: str = DEFAULT_MODEL, seed: int = 0, *, kwargs: dict[str, Any] | None = None) -> LoadedTalker:
+    """Call the factory `spec` names with `seed` (or with `kwargs` instead, e.g. a checkpoint
+    loader's `directory`).
 
     A factory returns a LoadedTalker, or a bare TalkerModel whose module defines
     `text_inputs(text)` (how demo text becomes the model's request inputs).
@@ -58,7 +59,7 @@ def load_talker(spec: str = DEFAULT_MODEL, seed: int = 0) -> LoadedTalker:
     factory = resolve(spec)
     if not callable(factory):
         raise ModelLoadError(f"model {spec!r}: {factory!r} is not callable")
-    result = factory(seed=seed)
+    result = factory(seed=seed) if kwargs is None else factory(**kwargs)
     if isinstance(result, LoadedTalker):
         return result
     if not isinstance(result, TalkerModel):

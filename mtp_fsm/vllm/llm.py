@@ -1,0 +1,154 @@
+"""TalkerLLM: a vLLM `LLM` whose worker runs a talker through mtp_fsm; submit NewRequests, get frames."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..engine.plan import FinishedRequest, Frame, Generation, NewRequest
+from ..errors import AdmissionError
+from ..lifecycle import FinishReason
+from ..serving.metrics import ServingSummary
+from .frame_store import TakenFrames
+from .model_dir import TalkerDirConfig, stop_token_id, write_model_dir
+from .request_codec import EXTRA_ARGS_KEY, encode_request
+
+# vLLM's finish reasons -> the engine's, for requests vLLM ended itself.
+_VLLM_REASONS = {"stop": FinishReason.EOS, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+class FrameChannelError(RuntimeError):
+    """The frames pulled from the worker disagree with the CB0 tokens vLLM delivered."""
+
+
+class TalkerLLM:
+    """vLLM's engine core and scheduler drive mtp_fsm's LockstepEngine (worker_cls FsmWorker).
+
+    talker: a short name of `models/` (tiny seeded demo talker) or a factory import string;
+    talker_kwargs: call the factory with these instead of `seed` (e.g. a checkpoint loader
+    and its directory). The frontend builds its own copy of the talker only to validate
+    requests and size their prompts (vLLM schedules exactly P placeholder ids).
+
+    multiprocessing=False runs vLLM's engine core and the worker in this process (fast to
+    start, 2 torch threads here); True is vLLM's default layout (engine core and worker in
+    spawned processes: callers need an `if __name__ == "__main__":` guard).
+    Extra keyword arguments go to `vllm.LLM` (e.g. `num_gpu_blocks_override` for a KV budget,
+    `max_num_batched_tokens` for the per-step token budget).
+    """
+
+    def __init__(self, talker: str = "qwen3_tts", *, talker_kwargs: dict[str, Any] | None = None, seed: int = 0,
+                 max_num_seqs: int = 16, max_model_len: int | None = None, kernels: str = "torch",
+                 multiprocessing: bool = False, model_dir: str | Path | None = None, **llm_kwargs: Any) -> None:
+        self.config = TalkerDirConfig(talker, talker_kwargs, seed, kernels)
+        self.talker = self.config.load_talker()
+        spec = self.talker.model.spec
+        self.stop_token_id = stop_token_id(spec)
+        self._tmp = None
+        if model_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="mtp_fsm_vllm_")
+            model_dir = self._tmp.name
+        self.model_dir = write_model_dir(model_dir, self.config, self.talker.model)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+        from vllm import LLM
+
+        from .worker import WORKER_CLS
+
+        self.llm = LLM(
+            model=str(self.model_dir), worker_cls=WORKER_CLS, skip_tokenizer_init=True,
+            enable_prefix_caching=False,  # the engine keeps no shared prefix KV: every prompt is computed
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len or spec.max_context,
+            dtype=spec.dtype, **llm_kwargs,
+        )
+
+    # -- requests ------------------------------------------------------------------------
+
+    def prompt_length(self, request: NewRequest) -> int:
+        """The talker's prompt rows for this request (AdmissionError when the talker refuses it)."""
+        try:
+            return int(self.talker.model.prepare(request.inputs).prompt_embeds.shape[0])
+        except Exception as exc:  # the model's own input checks
+            raise AdmissionError(request.request_id, f"the talker refuses its inputs: {exc}") from exc
+
+    def vllm_request(self, request: NewRequest) -> tuple[dict, Any]:
+        """(prompt, vllm.SamplingParams) for one request: P placeholder ids, max_tokens =
+        max_frames, the stop id, and the request's own fields in extra_args. vLLM's sampler
+        options stay neutral: the engine samples (its own penalty, min_frames)."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        prompt = {"prompt_token_ids": [0] * self.prompt_length(request)}
+        params = VllmSamplingParams(max_tokens=request.max_frames, stop_token_ids=[self.stop_token_id],
+                                    temperature=1.0, detokenize=False,
+                                    extra_args={EXTRA_ARGS_KEY: encode_request(request)})
+        return prompt, params
+
+    def generate(self, requests: Sequence[NewRequest]) -> dict[str, Generation]:
+        """Run requests to their end under vLLM's scheduler; frames and finish per request id."""
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise AdmissionError(next(i for i in ids if ids.count(i) > 1), "request ids must be unique in one call")
+        pairs = [self.vllm_request(r) for r in requests]
+        outputs = self.llm.generate([p for p, _ in pairs], [s for _, s in pairs], use_tqdm=False)
+        results = {rid: Generation(rid) for rid in ids}
+        self._collect(results)
+        for request, output in zip(requests, outputs):
+            self._check(results[request.request_id], output)
+        return results
+
+    # -- the frame channel ---------------------------------------------------------------
+
+    def take_frames(self) -> list[TakenFrames]:
+        """Frames (and finishes) the worker published since the last pull."""
+        return [taken for worker in self.llm.collective_rpc("mtp_fsm_take_frames") for taken in worker]
+
+    def summary(self) -> ServingSummary:
+        """The worker's serving summary (same table as the embedded loop's)."""
+        return self.llm.collective_rpc("mtp_fsm_summary")[0]
+
+    def _collect(self, results: dict[str, Generation]) -> None:
+        for taken in self.take_frames():
+            generation = results.get(taken.request_id)
+            if generation is None:
+                continue  # another caller's request on a shared LLM
+            for offset, codes in enumerate(taken.codes):
+                generation.frames.append(Frame(taken.request_id, taken.first_index + offset,
+                                               torch.from_numpy(codes.copy())))
+            if taken.finished is not None:
+                generation.finished = taken.finished
+
+    def _check(self, generation: Generation, output: Any) -> None:
+        """CB0 travels twice (vLLM's token ids, the pulled frames): they must agree."""
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        cb0 = [int(f.codes[0]) for f in generation.frames]
+        engine_ended = generation.finished is not None and generation.finished.reason in (FinishReason.EOS,
+                                                                                           FinishReason.ERROR)
+        expected = cb0 + ([self.stop_token_id] if engine_ended else [])
+        if tokens != expected:
+            raise FrameChannelError(f"request {generation.request_id!r}: vLLM delivered CB0 tokens {tokens[:8]}... "
+                                    f"({len(tokens)}) but the worker's frames give {expected[:8]}... ({len(expected)})")
+        if generation.finished is None:  # vLLM ended it (abort, a vLLM-side cap) before the engine did
+            reason = _VLLM_REASONS.get(completion.finish_reason, FinishReason.ABORT)
+            generation.finished = FinishedRequest(generation.request_id, reason, len(generation.frames),
+                                                  f"ended by vLLM ({completion.finish_reason})")
+
+    def close(self) -> None:
+        """Shut vLLM down and delete the temporary model directory."""
+        engine = getattr(self.llm, "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "TalkerLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["FrameChannelError", "TalkerLLM"]

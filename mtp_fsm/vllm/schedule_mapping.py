@@ -1,0 +1,199 @@
+"""One vLLM V1 `SchedulerOutput` -> the LockstepEngine step(s) it means, and the CB0 tokens vLLM expects back."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import attrs
+
+from ..engine import LockstepEngine
+from ..engine.plan import FinishedRequest, NewRequest, Span, StepOutput, StepPlan
+from ..errors import AdmissionError, UnknownRequestError
+from ..lifecycle import CLASS_TERMINAL, FinishReason, State
+from ..serving.metrics import ServingMetrics, StepMetrics
+from .frame_store import FrameStore
+from .request_codec import EXTRA_ARGS_KEY, decode_request
+
+
+@attrs.frozen
+class MappedStep:
+    """The engine's answer to one scheduler output, in vLLM's terms."""
+
+    sampled: dict[str, list[int]]  # per scheduled request: [] (no token), [cb0] or [stop id]
+    outputs: tuple[StepOutput, ...]  # the engine steps run (0, 1, or 2 when live requests were aborted)
+
+
+class ScheduleMapper:
+    """Maps vLLM's decisions onto the engine, which executes them (vLLM schedules, mtp_fsm executes).
+
+    - new requests -> NewRequest decoded from `sampling_params.extra_args["mtp_fsm"]`
+      (max_frames = `max_tokens`); one whose prompt length differs from the engine's, or
+      that the engine refuses, is rejected alone: its row gets the stop id and its finish is
+      recorded with reason error.
+    - `preempted_req_ids` -> preempts; `resumed_req_ids` (V1) or a new request for a
+      preempted id (MRV2's shape) -> resumes. vLLM re-prefills prompt + output tokens, which
+      is the engine's resume prompt (prompt + published frames).
+    - `finished_req_ids` mixes finishes and aborts: an id the engine has ended is released; a
+      live one is aborted (a step of its own, so the slot is free for this step's admissions).
+    - rows: `num_scheduled_tokens`, one Span each.
+    The CB0 of a published frame is the sampled token; an EOS finish (or an error) returns
+    the stop id so vLLM's stop check ends the request; every other row returns nothing.
+    """
+
+    def __init__(self, engine: LockstepEngine, stop_token_id: int, inputs_type: type,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.engine, self.stop_token_id, self.inputs_type, self.clock = engine, stop_token_id, inputs_type, clock
+        self.frames = FrameStore(engine.spec.num_codebooks)
+        self.metrics = ServingMetrics()
+        self._terminal = frozenset(engine.compiled.states_in(CLASS_TERMINAL))
+        self._caller: dict[str, str] = {}  # vLLM's internal id -> the caller's id
+        self._rejected: set[str] = set()  # refused at admission: vLLM still schedules them once
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self, sched: Any) -> MappedStep:
+        releases, aborts = self._finished_ids(sched.finished_req_ids)
+        outputs = []
+        if aborts:  # the engine frees an aborted slot at the next boundary: abort in a step of its own
+            outputs.append(self._run(StepPlan(aborts=tuple(aborts))))
+            releases += aborts
+        new, resumes, rows, sampled = self._admissions(sched)
+        preempts = [rid for rid in sched.preempted_req_ids if self._holds_live(rid)]
+        plan = StepPlan(new_requests=tuple(new), rows=tuple(rows), preempts=tuple(preempts),
+                        resumes=tuple(resumes), releases=tuple(releases))
+        if plan.new_requests or plan.rows or plan.preempts or plan.resumes or plan.releases:
+            output = self._run(plan)
+            outputs.append(output)
+            sampled.update(self._sampled(output))
+        for rid in plan.releases:
+            self._caller.pop(rid, None)
+        return MappedStep(sampled, tuple(outputs))
+
+    def _finished_ids(self, finished: set[str]) -> tuple[list[str], list[str]]:
+        releases, aborts = [], []
+        for rid in sorted(finished):
+            if rid in self._rejected:
+                self._rejected.discard(rid)
+                continue
+            state = self._state(rid)
+            if state is None:
+                continue  # never admitted (vLLM ended it before its first step)
+            if state in self._terminal or state is State.PREEMPTED:
+                releases.append(rid)  # ended by the engine, or preempted and never resumed
+            else:
+                aborts.append(rid)  # vLLM ended it (abort, max_model_len, ...) while it ran
+        return releases, aborts
+
+    def _admissions(self, sched: Any):
+        new, resumes, rows, sampled = [], [], [], {}
+        resumed = set(getattr(sched.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+        for data in sched.scheduled_new_reqs:
+            rid = data.req_id
+            if self._state(rid) is State.PREEMPTED:
+                resumed.add(rid)  # MRV2 resends a resumed request as a new one
+                continue
+            request = self._accept(data)
+            if request is None:
+                sampled[rid] = [self.stop_token_id]
+            else:
+                new.append(request)
+        resumes.extend(sorted(rid for rid in resumed if self._state(rid) is State.PREEMPTED))
+        for rid, num_tokens in sched.num_scheduled_tokens.items():
+            if rid in self._rejected:
+                sampled.setdefault(rid, [])
+            else:
+                rows.append(Span(rid, int(num_tokens)))
+        return new, resumes, rows, sampled
+
+    def _accept(self, data: Any) -> NewRequest | None:
+        rid, params = data.req_id, data.sampling_params
+        extra = (params.extra_args or {}) if params is not None else {}
+        try:
+            request = decode_request(rid, extra.get(EXTRA_ARGS_KEY), max_frames=int(params.max_tokens),
+                                     inputs_type=self.inputs_type)
+            request = _with_vllm_rules(request, params)
+            caller = extra[EXTRA_ARGS_KEY]["request_id"]
+            if self.frames.is_open(caller):
+                raise AdmissionError(rid, f"caller id {caller!r} is already in flight")
+            problems = self.engine.check_new(request)
+            if problems:
+                raise AdmissionError(rid, "; ".join(problems))
+            prompt_len = int(self.engine.prepare(request).prompt_embeds.shape[0])
+            if prompt_len != len(data.prompt_token_ids):
+                raise AdmissionError(rid, f"vLLM holds a prompt of {len(data.prompt_token_ids)} tokens but the talker's "
+                                     f"prompt is {prompt_len} rows: submit {prompt_len} placeholder ids "
+                                     "(mtp_fsm.vllm.TalkerLLM does)")
+        except AdmissionError as exc:
+            self._reject(rid, extra, exc)
+            return None
+        self._caller[rid] = caller
+        self.frames.open(caller)
+        self.metrics.on_submit(caller, self.clock())
+        return request
+
+    def _reject(self, rid: str, extra: dict, exc: Exception) -> None:
+        payload = extra.get(EXTRA_ARGS_KEY)
+        caller = payload.get("request_id", rid) if isinstance(payload, dict) else rid
+        self._rejected.add(rid)
+        if not self.frames.is_open(caller):
+            self.frames.open(caller)
+            self.frames.finish(caller, FinishedRequest(caller, FinishReason.ERROR, 0, str(exc)))
+        self.metrics.on_submit(caller, self.clock())
+        self.metrics.on_finished(caller, FinishReason.ERROR, self.clock(), str(exc))
+
+    # -- results -------------------------------------------------------------------------
+
+    def _run(self, plan: StepPlan) -> StepOutput:
+        start = self.clock()
+        output = self.engine.step(plan)
+        now = self.clock()
+        self.frames.add_frames(output.frames, self._caller)
+        for rid in output.frames.request_ids:
+            self.metrics.on_frame(self._caller[rid], now)
+        for finished in output.finished:
+            caller = self._caller[finished.request_id]
+            self.frames.finish(caller, finished)
+            self.metrics.on_finished(caller, finished.reason, now, finished.detail or None)
+        self.metrics.on_step(StepMetrics(step=output.step, wall_s=now - start, num_tokens=output.num_tokens,
+                                         num_frames=len(output.frames), preempts=output.num_preempted,
+                                         states=self._state_counts()), start, now)
+        return output
+
+    def _sampled(self, output: StepOutput) -> dict[str, list[int]]:
+        sampled: dict[str, list[int]] = {rid: [] for rid in output.rows.request_ids if rid is not None}
+        codes = output.frames.codes
+        for row, rid in enumerate(output.frames.request_ids):
+            sampled[rid] = [int(codes[row, 0])]
+        for finished in output.finished:
+            if finished.reason in (FinishReason.EOS, FinishReason.ERROR) and finished.request_id in sampled:
+                sampled[finished.request_id] = [self.stop_token_id]
+        return sampled
+
+    def _state(self, rid: str) -> State | None:
+        try:
+            return self.engine.request_state(rid)
+        except UnknownRequestError:
+            return None
+
+    def _holds_live(self, rid: str) -> bool:
+        state = self._state(rid)
+        return state is not None and state not in self._terminal and state is not State.PREEMPTED
+
+    def _state_counts(self) -> dict[str, int]:
+        counts = {"finished": self.metrics.num_finished}
+        for state_label in self.engine.requests().values():
+            counts[state_label] = counts.get(state_label, 0) + 1
+        return counts
+
+
+def _with_vllm_rules(request: NewRequest, params: Any) -> NewRequest:
+    """vLLM's own repetition_penalty / min_tokens become the engine's when the request left
+    them unset: the worker never runs vLLM's sampler, so nothing is applied twice."""
+    penalty = getattr(params, "repetition_penalty", 1.0)
+    if request.cb0_sampling.repetition_penalty is None and penalty not in (None, 1.0):
+        request = attrs.evolve(request, cb0_sampling=attrs.evolve(request.cb0_sampling, repetition_penalty=penalty))
+    min_tokens = getattr(params, "min_tokens", 0)
+    if request.min_frames is None and min_tokens:
+        request = attrs.evolve(request, min_frames=int(min_tokens))
+    return request

@@ -1,0 +1,113 @@
+"""The vLLM V1 worker (`worker_cls`) whose model runner is a LockstepEngine: vLLM schedules, mtp_fsm executes."""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from ..engine import LockstepEngine
+from ..serving.metrics import ServingSummary
+from .frame_store import TakenFrames
+from .model_dir import TalkerDirConfig
+from .schedule_mapping import ScheduleMapper
+
+WORKER_CLS = "mtp_fsm.vllm.worker.FsmWorker"
+
+
+class FsmWorker(WorkerBase):
+    """A vLLM worker that runs no vLLM model: `load_model` builds the talker named in the
+    model directory's config.json and a LockstepEngine with one slot per `max_num_seqs`;
+    `execute_model` runs each SchedulerOutput as one engine step (ScheduleMapper).
+
+    KV accounting: one FullAttentionSpec per backbone layer with the talker's real KV shape,
+    and `determine_available_memory` reports exactly the engine's per-slot KV (every slot
+    holds `max_context` positions), so vLLM's blocks are the engine's memory; a smaller
+    `num_gpu_blocks_override` makes vLLM preempt earlier, and the engine follows.
+
+    Frames leave through `mtp_fsm_take_frames` (pull, via `collective_rpc`): per request,
+    in order, exactly once; CB0 also travels as vLLM's sampled token.
+    """
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu") if self.device_config.device_type == "cpu" else torch.device(
+            "cuda", self.local_rank)
+        self.engine: LockstepEngine | None = None
+        self.mapper: ScheduleMapper | None = None
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        config = TalkerDirConfig.from_hf_config(self.model_config.hf_config)
+        talker = config.load_talker()
+        max_slots = self.scheduler_config.max_num_seqs
+        if self.model_config.max_model_len > talker.model.spec.max_context:
+            raise ValueError(f"max_model_len {self.model_config.max_model_len} exceeds the talker's KV context "
+                             f"{talker.model.spec.max_context} positions per slot")
+        self.engine = LockstepEngine(talker.model, max_slots, kernels=config.kernels, device=self.device)
+        self.mapper = ScheduleMapper(self.engine, config.stop_token_id, type(talker.text_inputs("a")))
+
+    def get_model(self) -> torch.nn.Module:
+        module = getattr(self.engine.model, "module", None)
+        return module if isinstance(module, torch.nn.Module) else torch.nn.Module()
+
+    # -- KV accounting -------------------------------------------------------------------
+
+    def _block_size(self) -> int:
+        return int(self.cache_config.block_size or 16)
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        layout = self.engine.model.kv_cache_layout()
+        if layout is None:  # a talker without KV: one token-sized page keeps vLLM's arithmetic whole
+            return {"talker.kv": FullAttentionSpec(block_size=self._block_size(), num_kv_heads=1, head_size=1,
+                                                   dtype=torch.float32)}
+        return {f"talker.layers.{i}": FullAttentionSpec(block_size=self._block_size(), num_kv_heads=layout.kv_heads,
+                                                        head_size=layout.head_dim, dtype=layout.dtype)
+                for i in range(layout.num_layers)}
+
+    def determine_available_memory(self) -> int:
+        specs = self.get_kv_cache_spec()
+        page_bytes = sum(spec.page_size_bytes for spec in specs.values())
+        blocks_per_slot = -(-self.engine.spec.max_context // self._block_size())
+        return (self.engine.max_slots * blocks_per_slot + 1) * page_bytes  # +1: vLLM's null block
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.kv_cache_config = kv_cache_config  # the engine's slot table already holds the KV
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(0.0, 0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        self.model_config.max_model_len = max_model_len
+
+    # -- stepping ------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        mapped = self.mapper.step(scheduler_output)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        if not req_ids:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                 sampled_token_ids=[mapped.sampled.get(rid, []) for rid in req_ids])
+
+    def take_draft_token_ids(self):
+        return None
+
+    # -- the frame channel (collective_rpc) -----------------------------------------------
+
+    def mtp_fsm_take_frames(self) -> list[TakenFrames]:
+        """Frames and finishes not pulled yet, per caller request id (then forgotten)."""
+        return self.mapper.frames.take()
+
+    def mtp_fsm_summary(self) -> ServingSummary:
+        """The engine-side serving summary (steps, frames, first-frame latency from admission)."""
+        return self.mapper.metrics.summary()
+
+    def mtp_fsm_free_slots(self) -> int:
+        return self.engine.num_free_slots
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
