@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -57,6 +58,9 @@ class TalkerLLM:
 
         from .worker import WORKER_CLS
 
+        self._running: dict[str, Generation] = {}
+        self._aborting: dict[str, Generation] = {}
+        self._idle_steps = 0
         self.llm = LLM(
             model=str(self.model_dir), worker_cls=WORKER_CLS, skip_tokenizer_init=True,
             enable_prefix_caching=False,  # the engine keeps no shared prefix KV: every prompt is computed
@@ -78,41 +82,85 @@ class TalkerLLM:
         max_frames, the stop id, and the request's own fields in extra_args. vLLM's sampler
         options stay neutral: the engine samples (its own penalty, min_frames)."""
         from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         prompt = {"prompt_token_ids": [0] * self.prompt_length(request)}
         params = VllmSamplingParams(max_tokens=request.max_frames, stop_token_ids=[self.stop_token_id],
-                                    temperature=1.0, detokenize=False,
+                                    temperature=1.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
                                     extra_args={EXTRA_ARGS_KEY: encode_request(request)})
         return prompt, params
 
+    def submit(self, request: NewRequest) -> None:
+        """Queue a request with vLLM (AdmissionError, nothing queued, when the talker refuses it)."""
+        if request.request_id in self._running:
+            raise AdmissionError(request.request_id, "a request with this id is already running", "running")
+        prompt, params = self.vllm_request(request)
+        self.llm.llm_engine.add_request(request.request_id, prompt, params)
+        self._running[request.request_id] = Generation(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request through vLLM; its worker aborts it in the engine at the next step,
+        and a later `step()` returns it (finish reason abort, the frames published before)."""
+        if request_id in self._running:
+            self._aborting[request_id] = self._running.pop(request_id)
+            self.llm.llm_engine.abort_request([request_id])
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._aborting)
+
+    def step(self) -> list[Generation]:
+        """One vLLM engine step; pulls the frames published since the last pull into the
+        running requests (`running(rid).frames`) and returns the requests that ended."""
+        outputs = self.llm.llm_engine.step()
+        self._collect(self.take_frames())
+        # vLLM reports nothing for an aborted request: it has ended once the worker says so.
+        ended = [self._aborting.pop(rid) for rid, g in list(self._aborting.items()) if g.finished is not None]
+        if self._aborting and not self.llm.llm_engine.has_unfinished_requests():
+            self._idle_steps += 1
+            if self._idle_steps > 2:  # vLLM dropped them before any step reached the worker
+                for rid in list(self._aborting):
+                    generation = self._aborting.pop(rid)
+                    generation.finished = FinishedRequest(rid, FinishReason.ABORT, len(generation.frames),
+                                                          "aborted before the worker admitted it")
+                    ended.append(generation)
+        else:
+            self._idle_steps = 0
+        for output in outputs:
+            if output.finished and output.request_id in self._running:
+                generation = self._running.pop(output.request_id)
+                self._check(generation, output)
+                ended.append(generation)
+        return ended
+
+    def running(self, request_id: str) -> Generation:
+        return self._running[request_id]
+
     def generate(self, requests: Sequence[NewRequest]) -> dict[str, Generation]:
         """Run requests to their end under vLLM's scheduler; frames and finish per request id."""
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise AdmissionError(next(i for i in ids if ids.count(i) > 1), "request ids must be unique in one call")
-        pairs = [self.vllm_request(r) for r in requests]
-        outputs = self.llm.generate([p for p, _ in pairs], [s for _, s in pairs], use_tqdm=False)
-        results = {rid: Generation(rid) for rid in ids}
-        self._collect(results)
-        for request, output in zip(requests, outputs):
-            self._check(results[request.request_id], output)
-        return results
+        for request in requests:
+            self.submit(request)
+        results: dict[str, Generation] = {}
+        while self.has_unfinished:
+            for generation in self.step():
+                results[generation.request_id] = generation
+        return {r.request_id: results[r.request_id] for r in requests}
 
     # -- the frame channel ---------------------------------------------------------------
 
     def take_frames(self) -> list[TakenFrames]:
         """Frames (and finishes) the worker published since the last pull."""
-        return [taken for worker in self.llm.collective_rpc("mtp_fsm_take_frames") for taken in worker]
+        return [taken for blob in self.llm.collective_rpc("mtp_fsm_take_frames") for taken in pickle.loads(blob)]
 
     def summary(self) -> ServingSummary:
         """The worker's serving summary (same table as the embedded loop's)."""
-        return self.llm.collective_rpc("mtp_fsm_summary")[0]
+        return pickle.loads(self.llm.collective_rpc("mtp_fsm_summary")[0])
 
-    def _collect(self, results: dict[str, Generation]) -> None:
-        for taken in self.take_frames():
-            generation = results.get(taken.request_id)
+    def _collect(self, taken_frames: list[TakenFrames]) -> None:
+        for taken in taken_frames:
+            generation = self._running.get(taken.request_id) or self._aborting.get(taken.request_id)
             if generation is None:
-                continue  # another caller's request on a shared LLM
+                raise FrameChannelError(f"frames for request {taken.request_id!r}, which is not running here")
             for offset, codes in enumerate(taken.codes):
                 generation.frames.append(Frame(taken.request_id, taken.first_index + offset,
                                                torch.from_numpy(codes.copy())))

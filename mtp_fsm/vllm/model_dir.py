@@ -44,9 +44,10 @@ class TalkerDirConfig:
         return TalkerDirConfig(**raw)
 
 
-def write_model_dir(directory: str | Path, config: TalkerDirConfig, model: TalkerModel) -> Path:
+def write_model_dir(directory: str | Path, config: TalkerDirConfig, model: TalkerModel, *,
+                    architecture: str = ARCHITECTURE) -> Path:
     """Write config.json (a `qwen3` config transformers can parse, architecture
-    MtpFsmTalkerForTTS, the CB0 vocabulary, max positions = the talker's KV context) and
+    MtpFsmTalkerForTTS (the V1 worker route; mrv2 names its stand-in), the CB0 vocabulary, max positions = the talker's KV context) and
     generation_config.json (the stop id as EOS, so every request stops on it). vLLM reads
     nothing else from the directory: the worker loads the talker itself."""
     spec = model.spec
@@ -55,7 +56,7 @@ def write_model_dir(directory: str | Path, config: TalkerDirConfig, model: Talke
     directory.mkdir(parents=True, exist_ok=True)
     stop = stop_token_id(spec)
     hf = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [architecture],
         "model_type": "qwen3",  # vLLM validates model_type against transformers
         "vocab_size": max(spec.backbone_vocab_size, stop + 1),
         "max_position_embeddings": spec.max_context,

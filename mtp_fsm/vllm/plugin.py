@@ -1,4 +1,4 @@
-"""The `vllm.general_plugins` entry point: registers the talker architecture in every vLLM process."""
+"""The `vllm.general_plugins` entry point: registers the talker architectures in every vLLM process."""
 
 from __future__ import annotations
 
@@ -29,5 +29,8 @@ def register() -> None:
     """Idempotent: vLLM loads general plugins in the frontend, the engine core and each worker."""
     from vllm import ModelRegistry
 
+    from .mrv2.standin import register as register_mrv2
+
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:{ARCHITECTURE}")
+    register_mrv2()  # Model Runner V2's stand-in, as a lazy import string

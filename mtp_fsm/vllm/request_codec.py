@@ -99,3 +99,15 @@ def decode_request(request_id: str, payload: Any, *, max_frames: int, inputs_typ
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RequestCodecError(request_id, f"extra_args cannot be decoded: {type(exc).__name__}: {exc}") from exc
+
+
+def with_vllm_rules(request: NewRequest, params: Any) -> NewRequest:
+    """vLLM's own repetition_penalty / min_tokens become the engine's when the request left
+    them unset: the worker never runs vLLM's sampler, so nothing is applied twice."""
+    penalty = getattr(params, "repetition_penalty", 1.0)
+    if request.cb0_sampling.repetition_penalty is None and penalty not in (None, 1.0):
+        request = attrs.evolve(request, cb0_sampling=attrs.evolve(request.cb0_sampling, repetition_penalty=penalty))
+    min_tokens = getattr(params, "min_tokens", 0)
+    if request.min_frames is None and min_tokens:
+        request = attrs.evolve(request, min_frames=int(min_tokens))
+    return request

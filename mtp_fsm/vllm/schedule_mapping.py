@@ -13,7 +13,7 @@ from ..errors import AdmissionError, UnknownRequestError
 from ..lifecycle import CLASS_TERMINAL, FinishReason, State
 from ..serving.metrics import ServingMetrics, StepMetrics
 from .frame_store import FrameStore
-from .request_codec import EXTRA_ARGS_KEY, decode_request
+from .request_codec import EXTRA_ARGS_KEY, decode_request, with_vllm_rules
 
 
 @attrs.frozen
@@ -21,7 +21,7 @@ class MappedStep:
     """The engine's answer to one scheduler output, in vLLM's terms."""
 
     sampled: dict[str, list[int]]  # per scheduled request: [] (no token), [cb0] or [stop id]
-    outputs: tuple[StepOutput, ...]  # the engine steps run (0, 1, or 2 when live requests were aborted)
+    output: StepOutput | None  # the engine step run (None: nothing to do)
 
 
 class ScheduleMapper:
@@ -35,7 +35,7 @@ class ScheduleMapper:
       preempted id (MRV2's shape) -> resumes. vLLM re-prefills prompt + output tokens, which
       is the engine's resume prompt (prompt + published frames).
     - `finished_req_ids` mixes finishes and aborts: an id the engine has ended is released; a
-      live one is aborted (a step of its own, so the slot is free for this step's admissions).
+      running or preempted one is aborted (its slot is free for this step's admissions).
     - rows: `num_scheduled_tokens`, one Span each.
     The CB0 of a published frame is the sampled token; an EOS finish (or an error) returns
     the stop id so vLLM's stop check ends the request; every other row returns nothing.
@@ -54,21 +54,17 @@ class ScheduleMapper:
 
     def step(self, sched: Any) -> MappedStep:
         releases, aborts = self._finished_ids(sched.finished_req_ids)
-        outputs = []
-        if aborts:  # the engine frees an aborted slot at the next boundary: abort in a step of its own
-            outputs.append(self._run(StepPlan(aborts=tuple(aborts))))
-            releases += aborts
         new, resumes, rows, sampled = self._admissions(sched)
-        preempts = [rid for rid in sched.preempted_req_ids if self._holds_live(rid)]
-        plan = StepPlan(new_requests=tuple(new), rows=tuple(rows), preempts=tuple(preempts),
+        preempts = [rid for rid in sorted(sched.preempted_req_ids or ()) if self._holds_live(rid)]
+        plan = StepPlan(new_requests=tuple(new), rows=tuple(rows), aborts=tuple(aborts), preempts=tuple(preempts),
                         resumes=tuple(resumes), releases=tuple(releases))
-        if plan.new_requests or plan.rows or plan.preempts or plan.resumes or plan.releases:
+        output = None
+        if plan.new_requests or plan.rows or plan.aborts or plan.preempts or plan.resumes or plan.releases:
             output = self._run(plan)
-            outputs.append(output)
             sampled.update(self._sampled(output))
-        for rid in plan.releases:
+        for rid in (*plan.releases, *plan.aborts):
             self._caller.pop(rid, None)
-        return MappedStep(sampled, tuple(outputs))
+        return MappedStep(sampled, output)
 
     def _finished_ids(self, finished: set[str]) -> tuple[list[str], list[str]]:
         releases, aborts = [], []
@@ -79,10 +75,9 @@ class ScheduleMapper:
             state = self._state(rid)
             if state is None:
                 continue  # never admitted (vLLM ended it before its first step)
-            if state in self._terminal or state is State.PREEMPTED:
-                releases.append(rid)  # ended by the engine, or preempted and never resumed
-            else:
-                aborts.append(rid)  # vLLM ended it (abort, max_model_len, ...) while it ran
+            # Ended by the engine: release. Running or preempted (vLLM's abort, max_model_len
+            # cap, ...): abort, which frees the slot at this boundary, before admissions.
+            (releases if state in self._terminal else aborts).append(rid)
         return releases, aborts
 
     def _admissions(self, sched: Any):
@@ -112,7 +107,7 @@ class ScheduleMapper:
         try:
             request = decode_request(rid, extra.get(EXTRA_ARGS_KEY), max_frames=int(params.max_tokens),
                                      inputs_type=self.inputs_type)
-            request = _with_vllm_rules(request, params)
+            request = with_vllm_rules(request, params)
             caller = extra[EXTRA_ARGS_KEY]["request_id"]
             if self.frames.is_open(caller):
                 raise AdmissionError(rid, f"caller id {caller!r} is already in flight")
@@ -185,15 +180,3 @@ class ScheduleMapper:
         for state_label in self.engine.requests().values():
             counts[state_label] = counts.get(state_label, 0) + 1
         return counts
-
-
-def _with_vllm_rules(request: NewRequest, params: Any) -> NewRequest:
-    """vLLM's own repetition_penalty / min_tokens become the engine's when the request left
-    them unset: the worker never runs vLLM's sampler, so nothing is applied twice."""
-    penalty = getattr(params, "repetition_penalty", 1.0)
-    if request.cb0_sampling.repetition_penalty is None and penalty not in (None, 1.0):
-        request = attrs.evolve(request, cb0_sampling=attrs.evolve(request.cb0_sampling, repetition_penalty=penalty))
-    min_tokens = getattr(params, "min_tokens", 0)
-    if request.min_frames is None and min_tokens:
-        request = attrs.evolve(request, min_frames=int(min_tokens))
-    return request

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from ..engine import LockstepEngine
-from ..serving.metrics import ServingSummary
-from .frame_store import TakenFrames
 from .model_dir import TalkerDirConfig
 from .schedule_mapping import ScheduleMapper
 
@@ -97,13 +97,15 @@ class FsmWorker(WorkerBase):
 
     # -- the frame channel (collective_rpc) -----------------------------------------------
 
-    def mtp_fsm_take_frames(self) -> list[TakenFrames]:
-        """Frames and finishes not pulled yet, per caller request id (then forgotten)."""
-        return self.mapper.frames.take()
+    # Results are pickled here: vLLM's multiprocess executor sends RPC results as msgpack,
+    # which would flatten attrs objects and numpy arrays into dicts and lists.
+    def mtp_fsm_take_frames(self) -> bytes:
+        """Frames and finishes not pulled yet (list[TakenFrames], pickled), then forgotten."""
+        return pickle.dumps(self.mapper.frames.take())
 
-    def mtp_fsm_summary(self) -> ServingSummary:
-        """The engine-side serving summary (steps, frames, first-frame latency from admission)."""
-        return self.mapper.metrics.summary()
+    def mtp_fsm_summary(self) -> bytes:
+        """The engine-side ServingSummary (pickled): steps, frames, first-frame latency from admission."""
+        return pickle.dumps(self.mapper.metrics.summary())
 
     def mtp_fsm_free_slots(self) -> int:
         return self.engine.num_free_slots
