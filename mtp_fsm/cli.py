@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="torch intra-op threads (0: torch's default); the tiny model's ops are too small to "
                            "gain from more, and on a busy machine extra threads spin and slow every step")
     demo.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    demo.add_argument("--backend", default="embedded", choices=("embedded", "vllm"),
+                      help="embedded: the built-in scheduler; vllm: vLLM's engine core and scheduler drive the engine "
+                           "(mtp_fsm.vllm.TalkerLLM)")
     for name, what in (("bench", "benchmarks (mtp_fsm.bench)"), ("diagrams", "lifecycle diagrams (mtp_fsm.lifecycle.diagrams)")):
         # add_help=False: --help belongs to the plugin, which parses its own arguments.
         p = sub.add_parser(name, help=f"{what}; arguments are passed through", add_help=False)
@@ -189,6 +192,13 @@ def _demo(args: argparse.Namespace) -> int:
     from .serving.plots import plot_states
 
     output_dir(args.out)  # before loading anything: a bad path fails at once
+    if args.backend == "vllm":
+        from .vllm.demo import run_vllm_demo
+
+        try:
+            return run_vllm_demo(args, DEMO_TEXTS)
+        except ValueError as exc:  # settings vLLM or the talker refuse
+            raise UsageError(str(exc)) from exc
     try:
         talker = load_talker(args.model, seed=args.seed)
     except ModelLoadError:

@@ -13,7 +13,7 @@ import torch
 from ..engine.plan import FinishedRequest, Frame, Generation, NewRequest
 from ..errors import AdmissionError
 from ..lifecycle import FinishReason
-from ..serving.metrics import ServingSummary
+from ..serving.metrics import ServingMetrics, ServingSummary
 from .frame_store import TakenFrames
 from .model_dir import TalkerDirConfig, stop_token_id, write_model_dir
 from .request_codec import EXTRA_ARGS_KEY, encode_request
@@ -152,9 +152,13 @@ class TalkerLLM:
         """Frames (and finishes) the worker published since the last pull."""
         return [taken for blob in self.llm.collective_rpc("mtp_fsm_take_frames") for taken in pickle.loads(blob)]
 
+    def metrics(self) -> ServingMetrics:
+        """The worker's serving metrics (the embedded loop's kind: steps, states, latencies)."""
+        return pickle.loads(self.llm.collective_rpc("mtp_fsm_metrics")[0])
+
     def summary(self) -> ServingSummary:
         """The worker's serving summary (same table as the embedded loop's)."""
-        return pickle.loads(self.llm.collective_rpc("mtp_fsm_summary")[0])
+        return self.metrics().summary()
 
     def _collect(self, taken_frames: list[TakenFrames]) -> None:
         for taken in taken_frames:

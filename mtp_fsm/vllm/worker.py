@@ -103,9 +103,10 @@ class FsmWorker(WorkerBase):
         """Frames and finishes not pulled yet (list[TakenFrames], pickled), then forgotten."""
         return pickle.dumps(self.mapper.frames.take())
 
-    def mtp_fsm_summary(self) -> bytes:
-        """The engine-side ServingSummary (pickled): steps, frames, first-frame latency from admission."""
-        return pickle.dumps(self.mapper.metrics.summary())
+    def mtp_fsm_metrics(self) -> bytes:
+        """The engine-side ServingMetrics (pickled): steps, states, frames, first-frame latency
+        measured from admission in the worker (the client's queueing in vLLM is not in it)."""
+        return pickle.dumps(self.mapper.metrics)
 
     def mtp_fsm_free_slots(self) -> int:
         return self.engine.num_free_slots
