@@ -189,8 +189,6 @@ def _demo(args: argparse.Namespace) -> int:
     from .engine import LockstepEngine, NewRequest
     from .serving import ChunkingSink, JsonlSink, SchedulingPolicy, ServingLoop
     from .serving.model_loader import ModelLoadError, load_talker
-    from .serving.plots import plot_states
-
     output_dir(args.out)  # before loading anything: a bad path fails at once
     if args.backend == "vllm":
         from .vllm.demo import run_vllm_demo
@@ -226,15 +224,22 @@ def _demo(args: argparse.Namespace) -> int:
         progress.close()
     finally:
         jsonl.close()
-    summary = loop.metrics.summary()
-    plot_states(loop.metrics, os.path.join(args.out, "states.png"),
-                title=f"{talker.name}: {args.requests} requests, {args.max_slots} slots")
+    report_demo(loop.metrics, chunker, len(chunk_sizes), args.out,
+                f"{talker.name}: {args.requests} requests, {args.max_slots} slots")
+    return 0
+
+
+def report_demo(metrics, chunker, num_chunks: int, out: str, title: str) -> None:
+    """The demo's ending, whichever backend ran it: states plot, summary table, chunk count."""
+    from .serving.plots import plot_states
+
+    plot_states(metrics, os.path.join(out, "states.png"), title=title)
+    summary = metrics.summary()
     print(summary.table())
     width = max(len(label) for label, _ in summary.rows())
-    print(f"{'audio chunks':<{width}}  {len(chunk_sizes)} (first chunks of {chunker.first_chunk} frames, "
+    print(f"{'audio chunks':<{width}}  {num_chunks} (first chunks of {chunker.first_chunk} frames, "
           f"then {chunker.chunk})")
-    print(f"wrote {os.path.join(args.out, 'states.png')} and {os.path.join(args.out, 'frames.jsonl')}")
-    return 0
+    print(f"wrote {os.path.join(out, 'states.png')} and {os.path.join(out, 'frames.jsonl')}")
 
 
 class _Progress:

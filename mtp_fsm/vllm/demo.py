@@ -11,7 +11,7 @@ import torch
 
 from ..engine.plan import FrameBatch, NewRequest
 from ..serving import ChunkingSink, JsonlSink
-from ..serving.plots import plot_states
+from ..cli import report_demo
 from .llm import TalkerLLM
 
 
@@ -55,14 +55,8 @@ def run_vllm_demo(args: argparse.Namespace, texts: tuple[str, ...]) -> int:
         jsonl.close()
     metrics = llm.metrics()
     llm.close()
-    plot_states(metrics, os.path.join(args.out, "states.png"),
-                title=f"{llm.talker.name} under vLLM: {args.requests} requests, {args.max_slots} seqs")
-    summary = metrics.summary()
-    print(summary.table())
-    width = max(len(label) for label, _ in summary.rows())
-    print(f"{'audio chunks':<{width}}  {len(chunk_sizes)} (first chunks of {chunker.first_chunk} frames, "
-          f"then {chunker.chunk})")
-    print(f"wrote {os.path.join(args.out, 'states.png')} and {os.path.join(args.out, 'frames.jsonl')}")
+    report_demo(metrics, chunker, len(chunk_sizes), args.out,
+                f"{llm.talker.name} under vLLM: {args.requests} requests, {args.max_slots} seqs")
     return 0
 
 
