@@ -166,10 +166,7 @@ class ScheduleMapper:
         return sampled
 
     def _state(self, rid: str) -> State | None:
-        try:
-            return self.engine.request_state(rid)
-        except UnknownRequestError:
-            return None
+        return engine_state(self.engine, rid)
 
     def _holds_live(self, rid: str) -> bool:
         state = self._state(rid)
@@ -180,3 +177,12 @@ class ScheduleMapper:
         for state_label in self.engine.requests().values():
             counts[state_label] = counts.get(state_label, 0) + 1
         return counts
+
+
+def engine_state(engine: LockstepEngine, request_id: str) -> State | None:
+    """The request's state, or None when the engine does not hold it (both vLLM routes ask
+    this of ids vLLM names, which the engine may never have admitted or already released)."""
+    try:
+        return engine.request_state(request_id)
+    except UnknownRequestError:
+        return None

@@ -9,9 +9,10 @@ import attrs
 
 from ...engine import LockstepEngine
 from ...engine.plan import FinishedRequest, NewRequest, Span, StepOutput, StepPlan
-from ...errors import AdmissionError, UnknownRequestError
+from ...errors import AdmissionError
 from ...lifecycle import CLASS_TERMINAL, FinishReason, State
 from ..frame_store import FrameStore
+from ..schedule_mapping import engine_state
 
 
 class MRV2EventError(RuntimeError):
@@ -89,10 +90,7 @@ class MRV2Bridge:
     # -- events (MRV2's finish_requests / add_requests phases) -----------------------------
 
     def state(self, request_id: str) -> State | None:
-        try:
-            return self.engine.request_state(request_id)
-        except UnknownRequestError:
-            return None
+        return engine_state(self.engine, request_id)
 
     def remove(self, request_id: str) -> None:
         """`ModelState.remove_request`: see the class docstring for what it means."""
