@@ -28,6 +28,21 @@ class ColumnSpec:
 
 
 @attrs.frozen
+class DelayPattern:
+    """A MusicGen-style delay pattern over the frame's Q codebooks (Higgs Audio v3), which the
+    engine enforces on every sampled codebook and the `delay_pattern` lifecycle follows.
+
+    Frame f: codebook q > f is forced to `boc` (ramp-up: codebook q starts q frames late).
+    Otherwise `boc` may not be sampled, and `eoc` only on codebook 0. A frame whose codebook 0
+    is `eoc` starts the wind-down: the frame after a frame holding m `eoc` codes has
+    codebooks q <= m forced to `eoc`, so the Q-1'th frame after it is all `eoc` and ends the
+    request (reason eos)."""
+
+    boc: int
+    eoc: int
+
+
+@attrs.frozen
 class ModelSpec:
     """Static facts about a talker that the engine sizes its tables and kernels from."""
 
@@ -59,6 +74,10 @@ class ModelSpec:
     # sampled (NewRequest.min_frames).
     repetition_penalty: float = 1.0
     min_frames: int = 0
+    # Variant "delay_pattern": the codebook delay pattern the engine enforces (None: none).
+    # Such a model refuses CB0 repetition penalties and min_frames at admission (the
+    # pattern's fillers would count as repeats, and the stop is the pattern's own).
+    delay_pattern: DelayPattern | None = None
 
     @property
     def has_mtp(self) -> bool:

@@ -11,14 +11,16 @@ from mtp_fsm.engine import LockstepEngine, Span, StepPlan
 from mtp_fsm.lifecycle import State
 from mtp_fsm.lifecycle.variants import CLASSES
 from mtp_fsm.testing.alone import (
-    scripted_conditioned, scripted_mtp, scripted_mtp_stop, scripted_mtp_stop_deferred, scripted_single, torch_threads,
+    scripted_conditioned, scripted_delay, scripted_mtp, scripted_mtp_stop, scripted_mtp_stop_deferred, scripted_single,
+    torch_threads,
 )
 from mtp_fsm.testing.references import reference_runs
 from mtp_fsm.testing.oracle_driver import OracleDriver
 from mtp_fsm.testing.stateful import scripted_requests
 
 FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop,
-             "conditioned": scripted_conditioned, "mtp_stop_deferred": scripted_mtp_stop_deferred}
+             "conditioned": scripted_conditioned, "mtp_stop_deferred": scripted_mtp_stop_deferred,
+             "delay_pattern": scripted_delay}
 SPECS = {name: factory().spec for name, factory in FACTORIES.items()}
 # The oracle driver models the current-step phase order; the deferred schedule is held to its
 # current-step twin's frames instead (the other properties here, and tests/test_deferred.py).

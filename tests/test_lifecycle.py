@@ -31,11 +31,12 @@ def declared(spec: LifecycleSpec) -> dict[tuple[Trigger, State], State]:
 
 
 def test_state_and_trigger_codes_are_stable():
-    assert [int(s) for s in State] == list(range(11))
-    assert [int(t) for t in Trigger] == list(range(17))
+    assert [int(s) for s in State] == list(range(13))
+    assert [int(t) for t in Trigger] == list(range(20))
     assert State.FREE == 0 and State.WAITING == 1 and State.FINISHED == 6 and State.PREEMPTED == 8
     assert State.STARVED == 9 and State.PENDING == 10 and Trigger.MTP_STOP == 14 and Trigger.STARVE == 15 and Trigger.FEED == 16
     assert State.SAMPLED.label == "sampled" and Trigger.FINISH_LENGTH.label == "finish_length"
+    assert State.RAMP_UP == 11 and State.WIND_DOWN == 12 and Trigger.RAMP == 17 and Trigger.WOUND_DOWN == 19
 
 
 @pytest.mark.parametrize("spec", [f() for f in VARIANTS.values()], ids=list(VARIANTS))
@@ -44,7 +45,9 @@ def test_state_classes_compile_to_the_declared_sets(spec):
     # The deferred schedule's `pending` rests between steps and is scheduled like decoding;
     # its `sampled` moment does not exist (CB0 is sampled last in a step).
     pending = {State.PENDING} if spec.deferred else set()
-    assert compiled.states_in(CLASS_LIVE) == {State.WAITING, State.PREFILLING, State.DECODING, *pending}
+    # The delay pattern's ramp-up and wind-down are decoding states (each publishes a frame a step).
+    phases = {s for s in (State.RAMP_UP, State.WIND_DOWN) if s in spec.states}
+    assert compiled.states_in(CLASS_LIVE) == {State.WAITING, State.PREFILLING, State.DECODING, *pending, *phases}
     assert compiled.states_in(CLASS_TERMINAL) == {State.FINISHED, State.ABORTED}
     assert compiled.states_in(CLASS_IN_STEP) == ({State.FRAME_READY} if spec.deferred else {State.SAMPLED, State.FRAME_READY})
     assert HOST_TRIGGERS == {Trigger.ADMIT, Trigger.PREEMPT, Trigger.RESUME, Trigger.ABORT, Trigger.RELEASE}
@@ -130,8 +133,9 @@ def test_error_edges_are_declared_only_where_they_can_happen(spec):
     d = declared(spec)
     # A conditioned request waiting for a row (starved), a deferred one between steps (pending).
     resting = {s for s in (State.STARVED, State.PENDING) if s in spec.states}
-    assert {s for (t, s) in d if t is Trigger.ABORT} == {*LIVE_STATES, State.PREEMPTED, *resting}
-    assert {s for (t, s) in d if t is Trigger.FAIL} == set(LIVE_STATES)
+    phases = {s for s in (State.RAMP_UP, State.WIND_DOWN) if s in spec.states}  # the delay pattern's decoding
+    assert {s for (t, s) in d if t is Trigger.ABORT} == {*LIVE_STATES, *phases, State.PREEMPTED, *resting}
+    assert {s for (t, s) in d if t is Trigger.FAIL} == {*LIVE_STATES, *phases}
     has_mtp = bool(spec.stages_of(Phase.MTP))
     mtp_source = {State.PENDING} if spec.deferred else {State.SAMPLED}
     assert {s for (t, s) in d if t is Trigger.MTP_FAIL} == (mtp_source if has_mtp else set())
@@ -156,7 +160,7 @@ def test_trigger_outside_the_variant_is_a_lifecycle_error():
 
 
 def test_lifecycle_for_and_variants():
-    assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned", "mtp_stop_deferred"}
+    assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned", "mtp_stop_deferred", "delay_pattern"}
     for name in VARIANTS:
         assert lifecycle_for(name).name == name
     with pytest.raises(ValueError, match="unknown lifecycle variant 'higgs'"):

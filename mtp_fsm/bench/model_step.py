@@ -27,6 +27,8 @@ from .._util.stats import percentile
 from .timing import summary_ms
 
 MODEL_BATCH_SIZES = (1, 64)
+# Resting states whose rows are one-token decode rows (the delay pattern's ramp-up and wind-down too).
+DECODE_STATES = ("decoding", "ramp_up", "wind_down")
 MAX_SLOTS = 64
 KERNELS = "torch"
 TEXT_CHARS = 60  # per request; shortened while the prompt exceeds half the model's context
@@ -128,7 +130,7 @@ class _Filled:
     def decode_only(self) -> tuple[bool, int]:
         """(every request held is decoding and at least one is, how many are)."""
         states = list(self.states().values())
-        decoding = sum(s == "decoding" for s in states)
+        decoding = sum(s in DECODE_STATES for s in states)
         return decoding > 0 and decoding == len(states), decoding
 
     def step(self):

@@ -64,6 +64,11 @@ class Admission:
             # CB0 of frame f is sampled before frame f-1 is published: counts and frame numbers lag.
             problems.append("repetition_penalty != 1 and min_frames > 0 are not supported on a deferred "
                             "lifecycle (the previous frame is published after the next CB0 is sampled)")
+        if self.spec.delay_pattern is not None and (cb0.penalises or min_frames_of(self.spec, req)):
+            # The pattern's BOC / EOC fillers would count as repeats, and its wind-down is the stop.
+            problems.append(f"repetition_penalty != 1 and min_frames > 0 are not supported by {self.spec.name!r}: "
+                            "its codebooks follow a delay pattern (BOC / EOC fillers; EOC on codebook 0 "
+                            "starts the wind-down that ends the request)")
         sampled = [("cb0", cb0, self.spec.backbone_vocab_size)]
         if self.spec.has_mtp:
             sampled.append(("mtp", mtp, self.spec.codebook_size))

@@ -9,6 +9,7 @@ from ..errors import EngineInvariantError
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_REASON, OUT_STATE, StepBatch
 from ..lifecycle import Predicate
 from ..model_api import ColumnSpec, ModelSpec, MtpResult
+from ..sampling.delay_pattern import DelayRows
 
 # Engine-owned slot columns of the deferred schedule: what the sampling step leaves for the
 # next step's MTP (reset with the row at admission, so a recycled slot starts from zeros).
@@ -36,6 +37,9 @@ class DevicePipeline:
         self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step = calls
         self._allowed, self.device = allowed, device
         self.reads_mtp_stop = Predicate.MTP_STOP in self.lifecycle.predicates_read()
+        self._pattern = spec.delay_pattern
+        self._eoc = None if spec.delay_pattern is None else spec.delay_pattern.eoc
+        self._delay: DelayRows | None = None  # this step's constraints (delay-pattern models)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         width = OUT_CODES + self.spec.num_codebooks
@@ -58,6 +62,9 @@ class DevicePipeline:
         hidden = self._forward(inputs, positions, token_slots)
         last_hidden = hidden[batch.last_token]
         logits = self._cb0_logits(last_hidden)
+        if self._pattern is not None:
+            self._delay = DelayRows.for_rows(self._pattern, table.num_frames, table.frame_codes, batch.idx_mapping)
+            logits = self._delay.apply(logits, 0)
         cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
         return last_hidden, cb0
 
@@ -66,6 +73,8 @@ class DevicePipeline:
         if self._mtp is None:
             return cb0[:, None]
         sample, mtp_faults = self.kernels.mtp_sampler(self.table, batch)
+        if self._delay is not None:
+            sample = self._delayed(sample, self._delay)
         codes = self._mtp(hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
         stop = None
         if isinstance(codes, MtpResult):
@@ -77,10 +86,18 @@ class DevicePipeline:
         self.kernels.mtp_scatter(self.table, self._lc, batch, mtp_faults, stop)
         return codes
 
+    @staticmethod
+    def _delayed(sample, rows: DelayRows):
+        """The MTP sampler with the delay pattern's constraints on each codebook's logits."""
+        def sample_delayed(logits: torch.Tensor, codebook: int, params=None) -> torch.Tensor:
+            masked = rows.apply(logits, codebook)
+            return sample(masked, codebook) if params is None else sample(masked, codebook, params)
+        return sample_delayed
+
     def _current_step(self, batch: StepBatch) -> torch.Tensor:
         hidden, cb0 = self._backbone(batch)
         codes = self._frame(batch, hidden, cb0)
-        return self.kernels.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes))
+        return self.kernels.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes), self._eoc)
 
     def _deferred(self, batch: StepBatch) -> torch.Tensor:
         """The pending frame (sampled last step) first, from the cached hidden state and CB0;
@@ -88,7 +105,7 @@ class DevicePipeline:
         table, slot = self.table, batch.idx_mapping
         cached_hidden, cached_cb0 = table.extra[DEFERRED_HIDDEN][slot], table.extra[DEFERRED_CB0][slot]
         codes = self._frame(batch, cached_hidden, cached_cb0)
-        packed = self.kernels.publish_frames(table, self._lc, batch, codes, self._frame_embed(codes))
+        packed = self.kernels.publish_frames(table, self._lc, batch, codes, self._frame_embed(codes), self._eoc)
         hidden, cb0 = self._backbone(batch)
         # Only rows that own their slot write its cache (a stale row is flagged by the kernels and
         # must not clobber the owner's); rows that did not sample leave values no edge reads.

@@ -263,11 +263,21 @@ def mtp_scatter(
     _record_fault(table, slot, owned, result, mtp_faults)
 
 
+def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, eoc: int | None) -> dict:
+    """RAMP_DONE, EOC_FRAME and ALL_EOC of the frames rows publish (none without a delay pattern)."""
+    if eoc is None:
+        return {}
+    is_eoc = codes == eoc
+    return {Predicate.RAMP_DONE: frame_index >= codes.shape[1] - 2, Predicate.EOC_FRAME: is_eoc[:, 0],
+            Predicate.ALL_EOC: is_eoc.all(dim=1)}
+
+
 def publish_frames(
-    table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor
+    table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor,
+    eoc: int | None = None,
 ) -> torch.Tensor:
     """Stage 5b: the publish-phase stages; frame cache, counters and the packed output for
-    rows whose fired edge publishes.
+    rows whose fired edge publishes. eoc: the delay pattern's EOC id (None: no pattern).
 
     Returns the packed per-row output [B, OUT_CODES + Q] (int64) for the single copy.
     """
@@ -275,10 +285,11 @@ def publish_frames(
     owned = _owned(table, batch)
     frame_index = table.num_frames[slot]
     computed, max_frames = table.num_computed[slot], table.max_frames[slot]
+    frame_facts = delay_facts(frame_index, codes, eoc)
 
     def facts(published: torch.Tensor) -> dict:
         frames = frame_index + published.long()
-        return {Predicate.LENGTH_REACHED: (frames >= max_frames) | (computed >= table.max_context)}
+        return {Predicate.LENGTH_REACHED: (frames >= max_frames) | (computed >= table.max_context), **frame_facts}
 
     result = run_phase(lc, Phase.PUBLISH, table.state[slot], owned, facts)
     # Whatever the stages did, no row may rest in a state that exists only inside a step.

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    B_CB0_FAULT, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE, C_IN_STEP, C_LIVE, C_VACANT,
+    B_ALL_EOC, B_CB0_FAULT, B_EOC_FRAME, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE,
+    B_RAMP_DONE, C_IN_STEP, C_LIVE, C_VACANT,
     E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID,
     add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
@@ -281,11 +282,12 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, sta
 def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_ptr, maxf_ptr, computed_ptr,
                    reason_ptr, error_ptr, rules_ptr, class_ptr, chain_ptr, codes_ptr, codes_s0, codes_s1, fe_ptr,
                    fe_stride, fcodes_ptr, flog_ptr, fembed_ptr, out_ptr, out_stride, C, H, Q, counts_ptr, counts_stride, V0,
-                   NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr):
+                   EOC, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, DELAY: tl.constexpr):
     """A tile of rows: the publish-phase stage chain (LENGTH_REACHED per stage, counting the
-    frame a previous stage published), then frame cache / log / embedding and counters for
-    rows whose fired rule publishes, and the packed output rows."""
+    frame a previous stage published; with DELAY, the delay-pattern facts of the frame, EOC
+    its id), then frame cache / log / embedding and counters for rows whose fired rule
+    publishes, and the packed output rows."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
     slot = tl.load(idx_ptr + row, mask=rm, other=0)
@@ -299,9 +301,21 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     why = tl.zeros_like(state)
     ready = tl.zeros_like(owned)
     stuck = tl.zeros_like(owned)
+    q = tl.arange(0, BLOCK_Q)
+    qm = rm[:, None] & (q < Q)[None, :]
+    row64 = row.to(tl.int64)
+    codes = tl.load(codes_ptr + (row64 * codes_s0)[:, None] + (q * codes_s1)[None, :], mask=qm, other=0)
+    frame_word = tl.zeros_like(state)
+    if DELAY:  # reference.delay_facts: the frame's own facts, the same for every stage
+        is_eoc = (codes == EOC) & qm
+        eoc0 = tl.sum(tl.where(q[None, :] == 0, is_eoc.to(tl.int32), 0), axis=1) != 0
+        all_eoc = tl.sum(is_eoc.to(tl.int32), axis=1) == Q
+        frame_word = (predicate_bit(frame_index >= Q - 2, B_RAMP_DONE) | predicate_bit(eoc0, B_EOC_FRAME)
+                      | predicate_bit(all_eoc, B_ALL_EOC))
     for s in tl.static_range(STAGES):
         length = ((frame_index + ready.to(tl.int64)) >= max_frames) | full
-        state, why, ready, stuck = run_stage(rules_ptr, chain_ptr, s, state, predicate_bit(length, B_LENGTH_REACHED),
+        word = predicate_bit(length, B_LENGTH_REACHED) | frame_word
+        state, why, ready, stuck = run_stage(rules_ptr, chain_ptr, s, state, word,
                                              owned, why, ready, stuck, NS, PLANE, WIDTH)
     # Whatever the stages did, no row may rest in a state that exists only inside a step.
     stuck = stuck | (owned & in_class(class_ptr, state, C_IN_STEP, rm))
@@ -310,10 +324,6 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     reason = tl.where(why != 0, why, reason)
     err = tl.load(error_ptr + slot, mask=rm, other=0)
     err = tl.where(stuck, err | E_ILLEGAL, err)
-    q = tl.arange(0, BLOCK_Q)
-    qm = rm[:, None] & (q < Q)[None, :]
-    row64 = row.to(tl.int64)
-    codes = tl.load(codes_ptr + (row64 * codes_s0)[:, None] + (q * codes_s1)[None, :], mask=qm, other=0)
     rq = qm & ready[:, None]
     tl.store(fcodes_ptr + (slot * Q)[:, None] + q[None, :], codes, mask=rq)
     log_at = (slot * C + tl.minimum(frame_index, C - 1)) * Q

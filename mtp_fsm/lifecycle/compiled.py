@@ -53,21 +53,23 @@ def stage_outcomes(rules: torch.Tensor, triggers: tuple[int, ...]) -> torch.Tens
     (the destination is the state itself when nothing fires). Same semantics as a kernel
     walking the chain: each trigger is tried at the state the row had when the stage began,
     a later firing one overrides an earlier one (a compiled spec proves at most one fires)."""
-    table = rules.tolist()
-    num_states = len(table[RULE_DEST][0])
-    out = torch.empty(num_states * WORDS, dtype=torch.int32)
-    for state in range(num_states):
-        for word in range(WORDS):
-            dest, reason, fired, publishes = state, 0, False, False
-            for t in triggers:
-                to, must, must_not = table[RULE_DEST][t][state], table[RULE_MUST][t][state], table[RULE_MUST_NOT][t][state]
-                if to >= 0 and word & must == must and word & must_not == 0:
-                    dest, fired = to, True
-                    reason = table[RULE_REASON][t][state] or reason
-                    publishes = publishes or table[RULE_PUBLISHES][t][state] != 0
-            packed = dest | (OUTCOME_FIRED if fired else 0) | (OUTCOME_PUBLISHES if publishes else 0)
-            out[state * WORDS + word] = packed | (reason << OUTCOME_REASON_SHIFT)
-    return out
+    rules = rules.to(torch.int64)
+    num_states = rules.shape[2]
+    # Every (state, word) at once: [states, WORDS], the chain walked trigger by trigger.
+    word = torch.arange(WORDS, dtype=torch.int64)[None, :]
+    dest = torch.arange(num_states, dtype=torch.int64)[:, None].expand(num_states, WORDS).clone()
+    reason, fired = torch.zeros_like(dest), torch.zeros_like(dest, dtype=torch.bool)
+    publishes = torch.zeros_like(fired)
+    for t in triggers:
+        to, must, must_not = (rules[plane, t][:, None] for plane in (RULE_DEST, RULE_MUST, RULE_MUST_NOT))
+        fires = (to >= 0) & ((word & must) == must) & ((word & must_not) == 0)
+        dest = torch.where(fires, to, dest)
+        fired = fired | fires
+        edge_reason = rules[RULE_REASON, t][:, None]
+        reason = torch.where(fires & (edge_reason != 0), edge_reason, reason)
+        publishes = publishes | (fires & (rules[RULE_PUBLISHES, t][:, None] != 0))
+    packed = dest | fired.long() * OUTCOME_FIRED | publishes.long() * OUTCOME_PUBLISHES
+    return (packed | (reason << OUTCOME_REASON_SHIFT)).reshape(-1).to(torch.int32)
 
 
 @attrs.frozen

@@ -33,6 +33,11 @@ class Predicate(enum.IntEnum):
     MTP_FAULT = 3  # one of the row's MTP samples faulted (as CB0_FAULT)
     LENGTH_REACHED = 4  # frames published >= max_frames, or the context has no position left
     MTP_STOP = 5  # the MTP stage decided the stop (an MtpResult's stop flag, MOSS's continue head)
+    # Delay pattern (ModelSpec.delay_pattern; false for every other model), about the frame
+    # this step publishes:
+    RAMP_DONE = 6  # its index is >= Q - 2: the frame after it has every codebook live
+    EOC_FRAME = 7  # its codebook 0 is EOC (the wind-down started at or before it)
+    ALL_EOC = 8  # every codebook is EOC: the wind-down is complete
 
     @property
     def label(self) -> str:
@@ -51,6 +56,9 @@ PREDICATE_PHASE: dict[Predicate, Phase] = {
     Predicate.MTP_FAULT: Phase.MTP,
     Predicate.LENGTH_REACHED: Phase.PUBLISH,
     Predicate.MTP_STOP: Phase.MTP,
+    Predicate.RAMP_DONE: Phase.PUBLISH,
+    Predicate.EOC_FRAME: Phase.PUBLISH,
+    Predicate.ALL_EOC: Phase.PUBLISH,
 }
 
 
@@ -133,3 +141,12 @@ def length_reached(num_frames: int, max_frames: int, num_computed: int, max_cont
     """LENGTH_REACHED for one row: the frame budget is spent, or the next input (at position
     num_computed) would not fit the context."""
     return num_frames >= max_frames or num_computed >= max_context
+
+
+def delay_facts(frame_index: int, codes, num_codebooks: int, eoc: int | None) -> dict[Predicate, bool]:
+    """RAMP_DONE, EOC_FRAME and ALL_EOC for one row publishing frame `frame_index` with
+    `codes` (a sequence of Q ints); all false for a model without a delay pattern (eoc None)."""
+    if eoc is None:
+        return {Predicate.RAMP_DONE: False, Predicate.EOC_FRAME: False, Predicate.ALL_EOC: False}
+    return {Predicate.RAMP_DONE: frame_index >= num_codebooks - 2, Predicate.EOC_FRAME: int(codes[0]) == eoc,
+            Predicate.ALL_EOC: all(int(c) == eoc for c in codes)}

@@ -24,6 +24,8 @@ class State(enum.IntEnum):
     PREEMPTED = 8  # slot released, resumable
     STARVED = 9  # holds its slot, not schedulable: the conditioning row its next step reads has not arrived
     PENDING = 10  # deferred schedule: CB0 sampled, hidden cached; the frame's MTP runs first thing next step
+    RAMP_UP = 11  # delay pattern: decoding, and the next frame still has codebooks forced to BOC
+    WIND_DOWN = 12  # delay pattern: codebook 0 emitted EOC; the next frames lock one more codebook to EOC each
 
     @property
     def label(self) -> str:
@@ -50,6 +52,9 @@ class Trigger(enum.IntEnum):
     MTP_STOP = 14  # MTP stage: the MTP result says stop; no frame, reason eos
     STARVE = 15  # host: a decoding request's next conditioning row is missing
     FEED = 16  # host: the missing conditioning row arrived (or the feed finished)
+    RAMP = 17  # delay pattern: a ramp-up frame was published (the next one still ramps)
+    WIND = 18  # delay pattern: a frame whose codebook 0 is EOC was published (wind-down)
+    WOUND_DOWN = 19  # delay pattern: the all-EOC frame that ends the wind-down was published: reason eos
 
     @property
     def label(self) -> str:

@@ -153,9 +153,55 @@ def conditioned_lifecycle() -> LifecycleSpec:
     )
 
 
+def delay_pattern_lifecycle() -> LifecycleSpec:
+    """A frame of Q codebooks sampled together under a MusicGen-style delay pattern (Higgs
+    Audio v3): ramp-up, normal decoding and the EOC wind-down are resting states, and where
+    a published frame leads is decided by the frame itself (its index, its EOC codes).
+
+    Every frame is published, fillers included; codebook 0's EOC does not end the request,
+    the all-EOC frame Q-1 frames later does (reason eos). The MTP stage is the fused head's
+    codebooks 1..Q-1 (sampled from the same hidden state, no extra forward)."""
+    ramp, wind, done, eoc, full = _S.RAMP_UP, _S.WIND_DOWN, "ramp_done", "eoc_frame", "all_eoc"
+    live, decoding = (*_LIVE, ramp, wind), (_S.DECODING, ramp, wind)
+    bad = "cb0_fault"
+    transitions = [
+        Transition(_T.ADMIT, (_S.FREE,), _S.WAITING),
+        Transition(_T.PREEMPT, live, _S.PREEMPTED),
+        Transition(_T.RESUME, (_S.PREEMPTED,), _S.WAITING),
+        Transition(_T.ABORT, (*live, _S.PREEMPTED), _S.ABORTED),
+        Transition(_T.RELEASE, (_S.FINISHED, _S.ABORTED, _S.PREEMPTED), _S.FREE),
+        Transition(_T.PREFILL, _IN_PROMPT, _S.PREFILLING, Guard(unless=("prompt_done",))),
+        Transition(_T.SAMPLE, _IN_PROMPT, _S.SAMPLED, Guard(when=("prompt_done",), unless=(bad,))),
+        Transition(_T.SAMPLE, decoding, _S.SAMPLED, Guard(unless=(bad,))),
+        Transition(_T.FAIL, _IN_PROMPT, _S.ABORTED, Guard(when=("prompt_done", bad)), FinishReason.ERROR),
+        Transition(_T.FAIL, decoding, _S.ABORTED, Guard(when=(bad,)), FinishReason.ERROR),
+        Transition(_T.OVERRUN, (_S.FINISHED,), _S.FINISHED, ALWAYS),
+        Transition(_T.OVERRUN, (_S.ABORTED,), _S.ABORTED, ALWAYS),
+        Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY, Guard(unless=("mtp_fault",))),
+        Transition(_T.MTP_FAIL, (_S.SAMPLED,), _S.ABORTED, Guard(when=("mtp_fault",)), FinishReason.ERROR),
+        Transition(_T.RAMP, (_S.FRAME_READY,), ramp, Guard(unless=(done, eoc)), publishes=True),
+        Transition(_T.PUBLISH, (_S.FRAME_READY,), _S.DECODING, Guard(when=(done,), unless=(eoc,)), publishes=True),
+        Transition(_T.WIND, (_S.FRAME_READY,), wind, Guard(when=(eoc,)), publishes=True),
+        Transition(_T.WOUND_DOWN, (wind,), _S.FINISHED, Guard(when=(full,)), FinishReason.EOS),
+        Transition(_T.FINISH_LENGTH, (_S.DECODING, ramp), _S.FINISHED, Guard(when=("length_reached",)),
+                   FinishReason.LENGTH),
+        Transition(_T.FINISH_LENGTH, (wind,), _S.FINISHED, Guard(when=("length_reached",), unless=(full,)),
+                   FinishReason.LENGTH),
+    ]
+    stages = (_INTAKE_STAGE, Stage("mtp", Phase.MTP, (_T.MTP, _T.MTP_FAIL)),
+              Stage("publish", Phase.PUBLISH, (_T.RAMP, _T.PUBLISH, _T.WIND)),
+              Stage("end", Phase.PUBLISH, (_T.WOUND_DOWN, _T.FINISH_LENGTH)))
+    classes = attrs.evolve(CLASSES, live=CLASSES.live | {ramp, wind})
+    return LifecycleSpec(
+        "delay_pattern", "Codebooks under a delay pattern: ramp-up, EOC wind-down (Higgs Audio v3)",
+        tuple(transitions), stages, classes, HOST_TRIGGERS,
+    )
+
+
 VARIANTS = {
     "mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle, "mtp_stop": mtp_stop_lifecycle,
     "conditioned": conditioned_lifecycle, "mtp_stop_deferred": mtp_stop_deferred_lifecycle,
+    "delay_pattern": delay_pattern_lifecycle,
 }
 
 

@@ -12,6 +12,7 @@ from ..engine import LockstepEngine, NewRequest, SchedulingPolicy
 from ..lifecycle import FinishReason
 from ..model_api import TalkerModel
 from ..sampling import SamplingParams
+from .delay_check import delay_pattern_problems
 from .scripted import ScriptedTalker, ScriptInputs
 
 ModelFactory = Callable[[], TalkerModel]
@@ -35,6 +36,11 @@ def scripted_mtp_stop_deferred() -> ScriptedTalker:
 def scripted_conditioned() -> ScriptedTalker:
     """The 4-codebook scripted talker whose text step reads a conditioning feed (variant conditioned)."""
     return ScriptedTalker(dtype=torch.float64, variant="conditioned")
+
+
+def scripted_delay() -> ScriptedTalker:
+    """A 4-codebook scripted talker whose codebooks follow a delay pattern (variant delay_pattern)."""
+    return ScriptedTalker(dtype=torch.float64, variant="delay_pattern")
 
 
 def scripted_single() -> ScriptedTalker:
@@ -122,6 +128,9 @@ def check_script(definition: RequestDef, run: AloneRun, spec) -> None:
     """The alone run is itself an engine run: hold it to the script, so an engine that
     ignored a forced EOS or NaN everywhere would not agree with itself unnoticed."""
     inputs = definition.inputs
+    if spec.delay_pattern is not None:
+        _check_delay_script(inputs, run, spec)
+        return
     stop_in_mtp = spec.lifecycle in ("mtp_stop", "mtp_stop_deferred")
     min_frames = spec.min_frames if definition.min_frames is None else definition.min_frames
     # A forced EOS before min_frames is masked: the script's other logits stay finite, so
@@ -149,3 +158,21 @@ def check_script(definition: RequestDef, run: AloneRun, spec) -> None:
     else:
         ok = True
     assert not early and ok, f"alone run of {inputs} ended {run.reason.label}/{run.error_kind} after {n} frames"
+
+
+def _check_delay_script(inputs: ScriptInputs, run: AloneRun, spec) -> None:
+    """A delay-pattern run: the pattern holds, no fault was skipped, and a forced EOC (eos_at)
+    starts the wind-down by that frame at the latest."""
+    problems = delay_pattern_problems(run.frames, spec.delay_pattern, run.reason)
+    n = len(run.frames)
+    faults = [(f, "cb0") for f in (inputs.nan_at,) if f is not None] + \
+        [(f, "mtp") for f in (inputs.mtp_nan_at,) if f is not None]
+    first_fault = min(faults, default=None)
+    if first_fault is not None and first_fault[0] < n:
+        problems.append(f"the {first_fault[1]} fault at frame {first_fault[0]} was not reported")
+    if run.reason is FinishReason.ERROR and (first_fault is None or first_fault[0] != n):
+        problems.append(f"ended with an error after {n} frames but the script faults at {first_fault}")
+    eoc_at = next((f for f, codes in enumerate(run.frames) if codes[0] == spec.delay_pattern.eoc), None)
+    if inputs.eos_at is not None and inputs.eos_at < n and (eoc_at is None or eoc_at > inputs.eos_at):
+        problems.append(f"EOC forced at frame {inputs.eos_at} but codebook 0 first holds it at {eoc_at}")
+    assert not problems, f"alone run of {inputs} ({run.reason.label}, {n} frames): {problems}"

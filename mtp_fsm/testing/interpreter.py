@@ -6,8 +6,11 @@ import torch
 
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Transition, Trigger
 from ..lifecycle import length_reached, prompt_done
+from ..lifecycle.predicates import delay_facts
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import FEED_COUNT, FEED_DONE, FEED_ROWS, MtpResult, PreparedPrompt, TalkerModel, feed_columns
+from ..model_api import (
+    FEED_COUNT, FEED_DONE, FEED_ROWS, DelayPattern, MtpResult, PreparedPrompt, TalkerModel, feed_columns,
+)
 from ..sampling import FAULT_EMPTY, FAULT_NAN, FAULT_OK, FAULT_POSINF, SamplingParams, describe_fault, fault_word
 from ..sampling.noise import gumbel_noise, row_key
 from ..sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables
@@ -51,6 +54,26 @@ def kept_ids(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     threshold = ordered[max(count, 1) - 1]
     # Ties with the last kept score are kept too (the rule is a score threshold).
     return scores >= torch.maximum(threshold, kth)
+
+
+def delay_pattern_row(logits: torch.Tensor, pattern: DelayPattern | None, frames: list[tuple[int, ...]],
+                      codebook: int) -> torch.Tensor:
+    """One row's logits for `codebook` of the next frame under the delay pattern, restated
+    from its definition (model_api.DelayPattern): which id the codebook must take, if any,
+    given how many frames were published and the last of them; else BOC and (beyond
+    codebook 0) EOC are out."""
+    if pattern is None:
+        return logits
+    last = frames[-1] if frames else None
+    depth = sum(c == pattern.eoc for c in last) if last is not None and last[0] == pattern.eoc else 0
+    must = pattern.eoc if 0 < depth and codebook <= depth else pattern.boc if codebook > len(frames) else None
+    out = logits.clone()
+    for token in range(out.shape[0]):
+        if must is not None:
+            out[token] = out[token] if token == must else NEG_INF
+        elif token == pattern.boc or (token == pattern.eoc and codebook > 0):
+            out[token] = NEG_INF
+    return out
 
 
 def history_rules(generated: list[int], penalty: float | None, suppress_id: int | None):
@@ -198,7 +221,7 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         scheduled = int(inputs.shape[0])
         positions = torch.arange(computed, computed + scheduled, device=device)
         hidden = model.forward(inputs, positions, torch.zeros(scheduled, dtype=torch.int64, device=device))[-1:]
-        logits = model.cb0_logits(hidden)[0]
+        logits = delay_pattern_row(model.cb0_logits(hidden)[0], spec.delay_pattern, frames, 0)
         early = spec.eos_token_id is not None and len(frames) < min_frames
         rules = history_rules([f[0] for f in frames], penalty, spec.eos_token_id if early else None)
         cb0, cb0_fault = sample_row(logits, cb0_params, d.seed, len(frames), 0, allowed, rules)
@@ -217,6 +240,7 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
             def sample(logits: torch.Tensor, codebook: int, params: SamplingParams | None = None) -> torch.Tensor:
                 tokens = []
                 for row in logits:
+                    row = delay_pattern_row(row, spec.delay_pattern, frames, codebook)
                     token, kind = sample_row(row, params or mtp_params, d.seed, len(frames), codebook)
                     if kind != FAULT_OK:
                         mtp_faults.setdefault(codebook, kind)
@@ -234,7 +258,9 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         def publish_facts(fired: list[Transition]) -> dict[Predicate, bool]:
             # A frame counts toward the budget once a publishing edge of this phase fired.
             published = len(frames) + any(e.publishes for e in fired)
-            return {Predicate.LENGTH_REACHED: length_reached(published, d.max_frames, computed, spec.max_context)}
+            eoc = None if spec.delay_pattern is None else spec.delay_pattern.eoc
+            return {Predicate.LENGTH_REACHED: length_reached(published, d.max_frames, computed, spec.max_context),
+                    **delay_facts(len(frames), codes[0].tolist(), spec.num_codebooks, eoc)}
 
         if any(e.publishes for e in walk.phase(Phase.PUBLISH, publish_facts)):
             frames.append(tuple(int(c) for c in codes[0]))

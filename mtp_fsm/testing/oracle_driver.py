@@ -28,6 +28,7 @@ import attrs
 
 from ..engine import LockstepEngine, Span, StepOutput, StepPlan
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, length_reached, prompt_done
+from ..lifecycle.predicates import delay_facts
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import FEED_COUNT, FEED_DONE, ModelSpec
 from ..engine.records import RequestRecord
@@ -219,7 +220,7 @@ class OracleDriver:
                     return {Predicate.MTP_FAULT: outcome.get("mtp", False), Predicate.MTP_STOP: eos and self._stop_in_mtp}
                 frames = r.num_frames + sum(self._publishes(e) for e in (*edges, *fired))  # counted once published
                 return {Predicate.LENGTH_REACHED: length_reached(
-                    frames, r.request.max_frames, r.num_computed, self.spec.max_context)}
+                    frames, r.request.max_frames, r.num_computed, self.spec.max_context), **self._frame_facts(r)}
 
             for edge in self.oracle.run_phase_edges(r.fsm, phase, facts):
                 edges.append(edge)
@@ -243,6 +244,13 @@ class OracleDriver:
             whole = getattr(d.inputs, "whole_feed", None)
             key = self._whole[d] = d if whole is None else attrs.evolve(d, inputs=whole())
         return self.refs.get(key)
+
+    def _frame_facts(self, r: RequestRecord) -> dict[Predicate, bool]:
+        """The delay-pattern facts of the frame the row would publish (its alone run's next one)."""
+        pattern, alone = self.spec.delay_pattern, self._alone(r).frames
+        if pattern is None or r.num_frames >= len(alone):
+            return delay_facts(r.num_frames, (), self.spec.num_codebooks, None)
+        return delay_facts(r.num_frames, alone[r.num_frames], self.spec.num_codebooks, pattern.eoc)
 
     def _publishes(self, edge) -> bool:
         return self.lifecycle.transition(*edge).publishes

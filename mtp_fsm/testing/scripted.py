@@ -6,7 +6,8 @@ import attrs
 import torch
 
 from ..model_api import (
-    FEED_COUNT, FEED_DONE, FEED_ROWS, CodebookSampler, ColumnSpec, ModelSpec, MtpResult, PreparedPrompt, TalkerModel,
+    FEED_COUNT, FEED_DONE, FEED_ROWS, CodebookSampler, ColumnSpec, DelayPattern, ModelSpec, MtpResult, PreparedPrompt,
+    TalkerModel,
 )
 
 PROMPT_VOCAB = 97
@@ -56,13 +57,20 @@ class ScriptedTalker(TalkerModel):
         # Under "mtp_stop" the MTP hook, not CB0, carries the scripted stop (eos_at).
         self.mtp_stops = variant in ("mtp_stop", "mtp_stop_deferred")
         self.conditioned = variant == "conditioned"  # the text step reads the feed columns
-        eos = None if self.mtp_stops else codebook_size + 2 if num_codebooks > 1 else codebook_size
+        # Under "delay_pattern" the two ids after the codes are BOC and EOC, legal in every
+        # codebook; the scripted stop (eos_at) forces EOC on codebook 0, starting the wind-down.
+        pattern = DelayPattern(boc=codebook_size, eoc=codebook_size + 1) if variant == "delay_pattern" else None
+        if pattern is not None:
+            codebook_size += 2
+        eos = None if self.mtp_stops or pattern else codebook_size + 2 if num_codebooks > 1 else codebook_size
         self.spec = ModelSpec(
             name="scripted", hidden_size=hidden_size, num_codebooks=num_codebooks,
-            backbone_vocab_size=codebook_size + 4, codebook_size=codebook_size, eos_token_id=eos,
+            backbone_vocab_size=codebook_size + (0 if pattern else 4), codebook_size=codebook_size, eos_token_id=eos,
             max_context=max_context, dtype=dtype, variant=variant, feed_capacity=max_context if self.conditioned else 0,
             forward_width=hidden_size + 2,  # the hidden row + the scripted EOS / MTP-NaN flags
+            delay_pattern=pattern,
         )
+        self._stop_id = eos if pattern is None else pattern.eoc
         g = torch.Generator().manual_seed(seed)
         h, v, q = hidden_size, codebook_size, num_codebooks
 
@@ -148,7 +156,7 @@ class ScriptedTalker(TalkerModel):
         if self.mtp_stops:
             return logits
         forced = torch.full_like(logits, -1e4)
-        forced[:, self.spec.eos_token_id] = 1e4
+        forced[:, self._stop_id] = 1e4
         return torch.where(flags[:, :1] > 0, forced, logits)
 
     def mtp(self, hidden, cb0, sample: CodebookSampler):

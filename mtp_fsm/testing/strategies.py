@@ -26,9 +26,11 @@ MIN_FRAMES = (None, None, 0, 1, 3)
 def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6) -> st.SearchStrategy[RequestDef]:
     """Random request definitions for the ScriptedTalker: prompt, budget, seed, sampling,
     and an optional forced EOS / NaN / MTP-NaN frame."""
-    frames = st.integers(1, max_frames)
-    # A deferred lifecycle publishes frame f after CB0 f+1 is sampled: history rules are refused there.
-    history = not lifecycle_for(spec.lifecycle).deferred
+    # A delay pattern's wind-down takes Q - 1 frames after the EOC one: budgets leave room for it.
+    frames = st.integers(1, max_frames + (spec.num_codebooks if spec.delay_pattern else 0))
+    # A deferred lifecycle publishes frame f after CB0 f+1 is sampled, and a delay pattern owns
+    # the stop and fills codebooks with BOC / EOC: history rules are refused for both.
+    history = not lifecycle_for(spec.lifecycle).deferred and spec.delay_pattern is None
 
     @st.composite
     def build(draw):
@@ -36,7 +38,7 @@ def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6)
         budget = draw(frames)
 
         def at():  # a forced event at some frame, for about one request in five
-            return draw(st.integers(0, budget - 1)) if draw(st.integers(0, 4)) == 0 else None
+            return draw(st.integers(0, min(budget, max_frames) - 1)) if draw(st.integers(0, 4)) == 0 else None
 
         prompt = tuple(draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)))
         feed, feed_done = (), True

@@ -38,7 +38,7 @@ from mtp_fsm.errors import (
 from mtp_fsm.lifecycle import FinishReason, State
 from mtp_fsm.sampling import GREEDY, SamplingParams
 
-MODELS = ("qwen3_tts", "qwen3_omni", "moss_tts_local", "chatterbox")
+MODELS = ("qwen3_tts", "qwen3_omni", "moss_tts_local", "chatterbox", "higgs_audio_v3")
 MAX_FRAMES = 8
 MAX_STEPS = 400  # any drive below that has not finished is a bug (a stall)
 # MTP_FSM_ZOO_SCALE=10 runs ten times the examples (a soak; the default keeps the module ~1 min).
@@ -162,7 +162,7 @@ def zoo(request, _one_thread) -> Zoo:
 
 # -- strategies -----------------------------------------------------------------------------
 
-TEXTS = st.text(alphabet="ab xyz.", min_size=1, max_size=6)
+TEXTS = st.text(alphabet="ab xyz.", min_size=1, max_size=6).filter(str.strip)  # Higgs refuses blank text
 SEEDS = st.one_of(st.integers(0, 2**20), st.sampled_from([-1, -(2**63), 2**63 - 1]))
 FRESH = st.builds(Req, TEXTS, st.integers(1, MAX_FRAMES), SEEDS, st.sampled_from(SAMPLING), st.sampled_from(SAMPLING))
 # Most requests come from a fixed pool, so that their alone runs (cached per model for the whole
