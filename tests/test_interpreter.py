@@ -8,12 +8,14 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mtp_fsm.lifecycle import ALWAYS, FinishReason, Guard, Trigger, mtp_lifecycle, single_codebook_lifecycle
-from mtp_fsm.lifecycle.variants import conditioned_lifecycle, delay_pattern_lifecycle, mtp_stop_lifecycle
+from mtp_fsm.lifecycle.variants import (
+    conditioned_lifecycle, delay_pattern_lifecycle, mtp_stop_lifecycle, stop_head_lifecycle,
+)
 from mtp_fsm.sampling import GREEDY, SamplingParams, filter_mask, gumbel_noise_codebooks, sample_tokens
 from mtp_fsm.sampling.noise import frame_key
 from mtp_fsm.testing.alone import (
     AloneRun, RequestDef, run_alone, scripted_conditioned, scripted_delay, scripted_mtp, scripted_mtp_stop, scripted_single,
-    torch_threads,
+    scripted_stop_head, torch_threads,
 )
 from mtp_fsm.testing.interpreter import interpret, kept_ids, sample_row
 from mtp_fsm.testing.scripted import ScriptInputs
@@ -23,7 +25,8 @@ RUNS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 VARIANTS = {"mtp": (scripted_mtp, mtp_lifecycle), "single": (scripted_single, single_codebook_lifecycle),
             "mtp_stop": (scripted_mtp_stop, mtp_stop_lifecycle),
             "conditioned": (scripted_conditioned, conditioned_lifecycle),
-            "delay_pattern": (scripted_delay, delay_pattern_lifecycle)}
+            "delay_pattern": (scripted_delay, delay_pattern_lifecycle),
+            "stop_head": (scripted_stop_head, stop_head_lifecycle)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,6 +61,7 @@ test_scripted_single_matches_engine = _equal_to_engine("single")
 test_scripted_mtp_stop_matches_engine = _equal_to_engine("mtp_stop")
 test_scripted_conditioned_matches_engine = _equal_to_engine("conditioned")
 test_scripted_delay_pattern_matches_engine = _equal_to_engine("delay_pattern")
+test_scripted_stop_head_matches_engine = _equal_to_engine("stop_head")
 
 
 @pytest.mark.parametrize("definition, expected", [

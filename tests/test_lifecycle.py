@@ -32,7 +32,7 @@ def declared(spec: LifecycleSpec) -> dict[tuple[Trigger, State], State]:
 
 def test_state_and_trigger_codes_are_stable():
     assert [int(s) for s in State] == list(range(13))
-    assert [int(t) for t in Trigger] == list(range(20))
+    assert [int(t) for t in Trigger] == list(range(21))
     assert State.FREE == 0 and State.WAITING == 1 and State.FINISHED == 6 and State.PREEMPTED == 8
     assert State.STARVED == 9 and State.PENDING == 10 and Trigger.MTP_STOP == 14 and Trigger.STARVE == 15 and Trigger.FEED == 16
     assert State.SAMPLED.label == "sampled" and Trigger.FINISH_LENGTH.label == "finish_length"
@@ -160,7 +160,8 @@ def test_trigger_outside_the_variant_is_a_lifecycle_error():
 
 
 def test_lifecycle_for_and_variants():
-    assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned", "mtp_stop_deferred", "delay_pattern"}
+    assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned", "mtp_stop_deferred", "delay_pattern",
+                             "stop_head"}
     for name in VARIANTS:
         assert lifecycle_for(name).name == name
     with pytest.raises(ValueError, match="unknown lifecycle variant 'higgs'"):

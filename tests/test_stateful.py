@@ -1,7 +1,7 @@
 """The lifecycle state machine (mtp_fsm.testing.stateful) against the engine, for every
 lifecycle variant's scripted talker (MTP, single-codebook, MTP-decided stop, conditioned:
 rows of a conditioning feed arriving late, the starved state; delay pattern: ramp-up and
-EOC wind-down), plus coverage of every declared transition.
+EOC wind-down; stop head: a float payload, the stop frame published), plus coverage of every declared transition.
 
 Run with `-s` to see example counts, steps, frames and time per variant.
 """
@@ -17,7 +17,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from mtp_fsm.lifecycle import compile_lifecycle, lifecycle_for
 from mtp_fsm.testing.alone import torch_threads
-from mtp_fsm.testing.alone import scripted_conditioned, scripted_delay, scripted_mtp_stop
+from mtp_fsm.testing.alone import scripted_conditioned, scripted_delay, scripted_mtp_stop, scripted_stop_head
 from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycle_test_case, scripted_mtp, scripted_single
 
 # Tuned so the whole file runs in about 2 minutes on 2 cores (the rarest edge still fires ~10 times).
@@ -27,10 +27,12 @@ SETTINGS = {
     "single_codebook": settings(max_examples=90, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "mtp_stop": settings(max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "conditioned": settings(max_examples=110, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+    "stop_head": settings(max_examples=110, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
     "delay_pattern": settings(max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
 }
 FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop,
-             "conditioned": scripted_conditioned, "delay_pattern": scripted_delay}
+             "conditioned": scripted_conditioned, "delay_pattern": scripted_delay,
+             "stop_head": scripted_stop_head}
 
 _RUNS: dict[str, object] = {}
 

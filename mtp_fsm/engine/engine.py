@@ -43,6 +43,19 @@ class ModelFault(Exception):
     """A model call raised inside a step (wraps the model's own exception)."""
 
 
+def _frame_embed_of_words(frame_embed, spec):
+    """frame_embed over the engine's frame rows: a model with a payload gets the payload
+    decoded from the row's words (its codes are the engine's bookkeeping)."""
+    if spec.payload is None:
+        return frame_embed
+    first, payload = spec.num_codebooks, spec.payload
+
+    def embed(words: torch.Tensor) -> torch.Tensor:
+        return frame_embed(payload.decode(words[:, first:]))
+
+    return embed
+
+
 def _model_call(model: TalkerModel, name: str):
     """A model entry point whose exceptions become ModelFault, so step() can end that step's
     requests while a kernel bug still surfaces as itself. The method is looked up at each
@@ -104,7 +117,7 @@ class LockstepEngine:
         self._forward = _model_call(model, "forward")
         self._cb0_logits = _model_call(model, "cb0_logits")
         self._mtp = _model_call(model, "mtp") if self.spec.has_mtp else None
-        self._frame_embed = _model_call(model, "frame_embed")
+        self._frame_embed = _frame_embed_of_words(_model_call(model, "frame_embed"), self.spec)
         self._text_step = _model_call(model, "text_step")
         self._reset_slots = _model_call(model, "reset_slots")
         self._allowed = self._cb0_allowed()
@@ -300,11 +313,11 @@ class LockstepEngine:
         rows = len(host.row_ids)
         return StepOutput(
             self.step_count - 1,
-            FrameBatch.empty(self.spec.num_codebooks),
+            FrameBatch.empty(self.spec.frame_width),
             tuple(host.ended) + tuple(ended),
             RowOutput(
                 host.row_ids, host.query_start_loc.clone(), torch.zeros(rows, dtype=torch.bool),
-                torch.zeros(rows, self.spec.num_codebooks, dtype=torch.int64),
+                torch.zeros(rows, self.spec.frame_width, dtype=torch.int64),
             ),
             host.batch.num_tokens,
             host.preempted,
@@ -332,10 +345,13 @@ class LockstepEngine:
         # advanced indexing below copies again, so FrameBatch and RowOutput never alias.
         codes = rows[:, OUT_CODES:]
         ids = np.array(host.row_ids, dtype=object)[valid_rows] if len(valid_rows) else ()
+        published = codes[valid_rows]
+        payload = self.spec.payload
         frames = FrameBatch(
             request_ids=tuple(ids),
             frame_index=rows[valid_rows, OUT_FRAME_INDEX],
-            codes=codes[valid_rows],
+            codes=published,
+            payload=None if payload is None else payload.decode(published[:, self.spec.num_codebooks:]),
         )
         row_output = RowOutput(
             request_ids=host.row_ids,

@@ -8,7 +8,10 @@ import torch
 from ..errors import EngineInvariantError
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_REASON, OUT_STATE, StepBatch
 from ..lifecycle import Predicate
-from ..model_api import ColumnSpec, ModelSpec, MtpResult
+from ..model_api import ColumnSpec, FrameDraws, ModelSpec, MtpResult
+from ..sampling.faults import FAULT_PAYLOAD, fault_word
+from ..sampling.gaussian import gaussian_noise
+from ..sampling.noise import frame_key
 from ..sampling.delay_pattern import DelayRows
 
 # Engine-owned slot columns of the deferred schedule: what the sampling step leaves for the
@@ -39,10 +42,11 @@ class DevicePipeline:
         self.reads_mtp_stop = Predicate.MTP_STOP in self.lifecycle.predicates_read()
         self._pattern = spec.delay_pattern
         self._eoc = None if spec.delay_pattern is None else spec.delay_pattern.eoc
+        self._eos_frame = spec.eos_token_id if Predicate.EOS_FRAME in lifecycle.predicates_read() else None
         self._delay: DelayRows | None = None  # this step's constraints (delay-pattern models)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
-        width = OUT_CODES + self.spec.num_codebooks
+        width = OUT_CODES + self.spec.frame_width
         if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
             packed = torch.zeros(batch.num_rows, width, dtype=torch.int64, device=self.device)
         elif self.lifecycle.deferred:
@@ -75,6 +79,8 @@ class DevicePipeline:
         sample, mtp_faults = self.kernels.mtp_sampler(self.table, batch)
         if self._delay is not None:
             sample = self._delayed(sample, self._delay)
+        if self.spec.payload is not None:
+            return self._payload_frame(batch, hidden, cb0, sample, mtp_faults)
         codes = self._mtp(hidden, cb0.clamp(0, self.spec.codebook_size - 1), sample)
         stop = None
         if isinstance(codes, MtpResult):
@@ -85,6 +91,22 @@ class DevicePipeline:
             codes, stop = codes.codes, codes.stop
         self.kernels.mtp_scatter(self.table, self._lc, batch, mtp_faults, stop)
         return codes
+
+    def _payload_frame(self, batch: StepBatch, hidden: torch.Tensor, cb0: torch.Tensor, sample,
+                       mtp_faults: torch.Tensor) -> torch.Tensor:
+        """A model with a payload: its MTP hook returns the payload (from per-row Gaussian
+        noise and the row's previous payload); the frame row is CB0 then the payload's bits.
+        A non-finite payload faults the row like a bad MTP sample."""
+        table, slot, payload, first = self.table, batch.idx_mapping, self.spec.payload, self.spec.num_codebooks
+        keys = frame_key(table.seed[slot], table.num_frames[slot])
+        previous = payload.decode(table.frame_codes[slot, first:])
+        draws = FrameDraws(sample, lambda shape: gaussian_noise(keys, shape), previous)
+        out = self._mtp(hidden, cb0.clamp(0, self.spec.codebook_size - 1), draws)
+        bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(dim=1)
+        word = fault_word(FAULT_PAYLOAD, first)
+        mtp_faults.copy_(torch.where(bad & (mtp_faults == 0), word, mtp_faults))
+        self.kernels.mtp_scatter(self.table, self._lc, batch, mtp_faults, None)
+        return torch.cat([cb0[:, None].to(torch.int64), payload.encode(out)], dim=1)
 
     @staticmethod
     def _delayed(sample, rows: DelayRows):
@@ -97,7 +119,7 @@ class DevicePipeline:
     def _current_step(self, batch: StepBatch) -> torch.Tensor:
         hidden, cb0 = self._backbone(batch)
         codes = self._frame(batch, hidden, cb0)
-        return self.kernels.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes), self._eoc)
+        return self.kernels.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes), self._eoc, self._eos_frame)
 
     def _deferred(self, batch: StepBatch) -> torch.Tensor:
         """The pending frame (sampled last step) first, from the cached hidden state and CB0;
@@ -105,7 +127,7 @@ class DevicePipeline:
         table, slot = self.table, batch.idx_mapping
         cached_hidden, cached_cb0 = table.extra[DEFERRED_HIDDEN][slot], table.extra[DEFERRED_CB0][slot]
         codes = self._frame(batch, cached_hidden, cached_cb0)
-        packed = self.kernels.publish_frames(table, self._lc, batch, codes, self._frame_embed(codes), self._eoc)
+        packed = self.kernels.publish_frames(table, self._lc, batch, codes, self._frame_embed(codes), self._eoc, self._eos_frame)
         hidden, cb0 = self._backbone(batch)
         # Only rows that own their slot write its cache (a stale row is flagged by the kernels and
         # must not clobber the owner's); rows that did not sample leave values no edge reads.

@@ -90,7 +90,8 @@ class StepPlan:
 class Frame:
     request_id: str
     index: int
-    codes: torch.Tensor  # int64 [Q]
+    codes: torch.Tensor  # int64 [W]: the Q codes, then (a model with a payload) the payload's bits
+    payload: torch.Tensor | None = None  # [*shape] in the payload's dtype (ModelSpec.payload), else None
 
 
 @attrs.frozen
@@ -99,18 +100,19 @@ class FrameBatch:
 
     request_ids: tuple[str, ...]
     frame_index: torch.Tensor  # int64 [N]
-    codes: torch.Tensor  # int64 [N, Q]
+    codes: torch.Tensor  # int64 [N, W] (Frame.codes)
+    payload: torch.Tensor | None = None  # [N, *shape] decoded from the codes' payload words (its own tensor)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def __iter__(self) -> Iterator[Frame]:
         for i, rid in enumerate(self.request_ids):
-            yield Frame(rid, int(self.frame_index[i]), self.codes[i])
+            yield Frame(rid, int(self.frame_index[i]), self.codes[i], None if self.payload is None else self.payload[i])
 
     @staticmethod
-    def empty(num_codebooks: int) -> "FrameBatch":
-        return FrameBatch((), torch.zeros(0, dtype=torch.int64), torch.zeros(0, num_codebooks, dtype=torch.int64))
+    def empty(width: int) -> "FrameBatch":
+        return FrameBatch((), torch.zeros(0, dtype=torch.int64), torch.zeros(0, width, dtype=torch.int64))
 
 
 @attrs.frozen

@@ -73,13 +73,13 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
     replays = [(r, r.replay_codes) for r in admitted if r.replay_codes is not None and len(r.replay_codes)]
     replay = None
     if replays:
-        log = torch.zeros(len(admitted), max(len(c) for _, c in replays), spec.num_codebooks, dtype=torch.int64)
+        log = torch.zeros(len(admitted), max(len(c) for _, c in replays), spec.frame_width, dtype=torch.int64)
         for i, r in enumerate(admitted):
             if r.replay_codes is not None:
                 log[i, : len(r.replay_codes)] = r.replay_codes.cpu()
         staged["frame_log"] = log.to(device)
         # The last published frame (what a delay pattern's wind-down continues from).
-        last = torch.zeros(len(admitted), spec.num_codebooks, dtype=torch.int64)
+        last = torch.zeros(len(admitted), spec.frame_width, dtype=torch.int64)
         for i, r in enumerate(admitted):
             if r.replay_codes is not None and len(r.replay_codes):
                 last[i] = r.replay_codes[-1].cpu()

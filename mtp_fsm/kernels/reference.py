@@ -274,10 +274,11 @@ def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, eoc: int | None)
 
 def publish_frames(
     table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor,
-    eoc: int | None = None,
+    eoc: int | None = None, eos: int | None = None,
 ) -> torch.Tensor:
     """Stage 5b: the publish-phase stages; frame cache, counters and the packed output for
-    rows whose fired edge publishes. eoc: the delay pattern's EOC id (None: no pattern).
+    rows whose fired edge publishes. eoc: the delay pattern's EOC id (None: no pattern);
+    eos: the EOS id whose frames are the last (a lifecycle reading eos_frame; else None).
 
     Returns the packed per-row output [B, OUT_CODES + Q] (int64) for the single copy.
     """
@@ -286,6 +287,8 @@ def publish_frames(
     frame_index = table.num_frames[slot]
     computed, max_frames = table.num_computed[slot], table.max_frames[slot]
     frame_facts = delay_facts(frame_index, codes, eoc)
+    if eos is not None:
+        frame_facts[Predicate.EOS_FRAME] = codes[:, 0] == eos
 
     def facts(published: torch.Tensor) -> dict:
         frames = frame_index + published.long()

@@ -47,6 +47,7 @@ B_MTP_STOP = tl.constexpr(int(Predicate.MTP_STOP))
 B_RAMP_DONE = tl.constexpr(int(Predicate.RAMP_DONE))
 B_EOC_FRAME = tl.constexpr(int(Predicate.EOC_FRAME))
 B_ALL_EOC = tl.constexpr(int(Predicate.ALL_EOC))
+B_EOS_FRAME = tl.constexpr(int(Predicate.EOS_FRAME))
 
 E_IDENTITY = tl.constexpr(ERR_IDENTITY)
 E_ILLEGAL = tl.constexpr(ERR_ILLEGAL)

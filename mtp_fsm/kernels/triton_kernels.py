@@ -324,10 +324,11 @@ def mtp_scatter(
 
 def publish_frames(
     table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor,
-    eoc: int | None = None,
+    eoc: int | None = None, eos: int | None = None,
 ) -> torch.Tensor:
     """The publish-phase stage chain; frame cache, counters and the packed output
-    [B, OUT_CODES + Q] for rows whose fired rule publishes. eoc: the delay pattern's EOC id."""
+    [B, OUT_CODES + Q] for rows whose fired rule publishes. eoc: the delay pattern's EOC id;
+    eos: the EOS id whose frames are the last (reference.publish_frames)."""
     rows, q, h = batch.num_rows, table.num_codebooks, table.hidden_size
     packed = torch.empty(rows, OUT_CODES + q, dtype=torch.int64, device=table.device)
     if rows == 0:
@@ -344,7 +345,7 @@ def publish_frames(
         lc.state_class, chain, codes, codes.stride(0), codes.stride(1), frame_embeds, frame_embeds.stride(0),
         table.frame_codes, table.frame_log, table.frame_embed, packed, packed.stride(0),
         table.max_context, h, q, table.cb0_counts, table.cb0_counts.stride(0), table.cb0_counts.shape[1],
-        -1 if eoc is None else eoc, **_rules(lc), **shape, BLOCK_R=tile,
-        BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block, DELAY=eoc is not None,
+        -1 if eoc is None else eoc, -1 if eos is None else eos, **_rules(lc), **shape, BLOCK_R=tile,
+        BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block, DELAY=eoc is not None, EOS_FRAME=eos is not None,
     )
     return packed

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .triton_common import (
     B_ALL_EOC, B_CB0_FAULT, B_EOC_FRAME, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE,
-    B_RAMP_DONE, C_IN_STEP, C_LIVE, C_VACANT,
+    B_EOS_FRAME, B_RAMP_DONE, C_IN_STEP, C_LIVE, C_VACANT,
     E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID,
     add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
@@ -282,8 +282,9 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, sta
 def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_ptr, maxf_ptr, computed_ptr,
                    reason_ptr, error_ptr, rules_ptr, class_ptr, chain_ptr, codes_ptr, codes_s0, codes_s1, fe_ptr,
                    fe_stride, fcodes_ptr, flog_ptr, fembed_ptr, out_ptr, out_stride, C, H, Q, counts_ptr, counts_stride, V0,
-                   EOC, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, DELAY: tl.constexpr):
+                   EOC, EOS, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, DELAY: tl.constexpr,
+                   EOS_FRAME: tl.constexpr):
     """A tile of rows: the publish-phase stage chain (LENGTH_REACHED per stage, counting the
     frame a previous stage published; with DELAY, the delay-pattern facts of the frame, EOC
     its id), then frame cache / log / embedding and counters for rows whose fired rule
@@ -312,6 +313,9 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
         all_eoc = tl.sum(is_eoc.to(tl.int32), axis=1) == Q
         frame_word = (predicate_bit(frame_index >= Q - 2, B_RAMP_DONE) | predicate_bit(eoc0, B_EOC_FRAME)
                       | predicate_bit(all_eoc, B_ALL_EOC))
+    if EOS_FRAME:  # the stop head's: the frame's CB0 is the EOS id
+        cb0_is_eos = tl.sum(tl.where((q[None, :] == 0) & qm & (codes == EOS), 1, 0), axis=1) != 0
+        frame_word = frame_word | predicate_bit(cb0_is_eos, B_EOS_FRAME)
     for s in tl.static_range(STAGES):
         length = ((frame_index + ready.to(tl.int64)) >= max_frames) | full
         word = predicate_bit(length, B_LENGTH_REACHED) | frame_word

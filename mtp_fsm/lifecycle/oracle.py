@@ -49,6 +49,7 @@ class Oracle:
     def __init__(self, spec: LifecycleSpec) -> None:
         self.spec = spec
         self.machine: Machine = spec.build_machine()
+        self._read = spec.predicates_read()  # the facts a stage needs: those some guard reads
         self.fired: Counter[tuple[Trigger, State]] = Counter()
 
     def new(self, request_id: str) -> RequestFSM:
@@ -85,7 +86,8 @@ class Oracle:
         A total stage that moves nothing is a spec bug the compiler should have refused;
         it raises here too, naming the request.
         """
-        missing = [p.label for p in Predicate if PREDICATE_PHASE[p] is stage.phase and p not in facts]
+        missing = [p.label for p in Predicate
+                   if PREDICATE_PHASE[p] is stage.phase and p in self._read and p not in facts]
         if missing:
             raise ValueError(f"stage {stage.name!r} of request {fsm.request_id!r} needs predicates {missing}")
         fsm.observe(facts)

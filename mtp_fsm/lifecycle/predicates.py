@@ -38,6 +38,8 @@ class Predicate(enum.IntEnum):
     RAMP_DONE = 6  # its index is >= Q - 2: the frame after it has every codebook live
     EOC_FRAME = 7  # its codebook 0 is EOC (the wind-down started at or before it)
     ALL_EOC = 8  # every codebook is EOC: the wind-down is complete
+    # Stop head (VoxCPM2): the frame this step publishes carries CB0 == the model's EOS id.
+    EOS_FRAME = 9
 
     @property
     def label(self) -> str:
@@ -59,6 +61,7 @@ PREDICATE_PHASE: dict[Predicate, Phase] = {
     Predicate.RAMP_DONE: Phase.PUBLISH,
     Predicate.EOC_FRAME: Phase.PUBLISH,
     Predicate.ALL_EOC: Phase.PUBLISH,
+    Predicate.EOS_FRAME: Phase.PUBLISH,
 }
 
 
@@ -141,6 +144,11 @@ def length_reached(num_frames: int, max_frames: int, num_computed: int, max_cont
     """LENGTH_REACHED for one row: the frame budget is spent, or the next input (at position
     num_computed) would not fit the context."""
     return num_frames >= max_frames or num_computed >= max_context
+
+
+def eos_frame(codes, eos: int | None) -> bool:
+    """EOS_FRAME for one row publishing a frame whose codes (ints) start with `codes[0]`."""
+    return eos is not None and len(codes) > 0 and int(codes[0]) == eos
 
 
 def delay_facts(frame_index: int, codes, num_codebooks: int, eoc: int | None) -> dict[Predicate, bool]:

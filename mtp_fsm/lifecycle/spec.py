@@ -55,6 +55,7 @@ class Trigger(enum.IntEnum):
     RAMP = 17  # delay pattern: a ramp-up frame was published (the next one still ramps)
     WIND = 18  # delay pattern: a frame whose codebook 0 is EOC was published (wind-down)
     WOUND_DOWN = 19  # delay pattern: the all-EOC frame that ends the wind-down was published: reason eos
+    LAST_FRAME = 20  # stop head: the published frame's CB0 was the stop (EOS) class: it was the last, reason eos
 
     @property
     def label(self) -> str:

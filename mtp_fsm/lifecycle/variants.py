@@ -198,10 +198,32 @@ def delay_pattern_lifecycle() -> LifecycleSpec:
     )
 
 
+def stop_head_lifecycle() -> LifecycleSpec:
+    """Every step publishes a frame, CB0 being a stop class (VoxCPM2: the 2-way stop head,
+    EOS id 1) and the MTP stage the frame's continuous payload (the local DiT's patch): the
+    frame sampled with the stop is still published, and then ends the request (reason eos)."""
+    transitions = [
+        *_host_edges(),
+        *_intake(_S.SAMPLED),
+        Transition(_T.MTP, (_S.SAMPLED,), _S.FRAME_READY, Guard(unless=("mtp_fault",))),
+        Transition(_T.MTP_FAIL, (_S.SAMPLED,), _S.ABORTED, Guard(when=("mtp_fault",)), FinishReason.ERROR),
+        Transition(_T.PUBLISH, (_S.FRAME_READY,), _S.DECODING, ALWAYS, publishes=True),
+        Transition(_T.LAST_FRAME, (_S.DECODING,), _S.FINISHED, Guard(when=("eos_frame",)), FinishReason.EOS),
+        Transition(_T.FINISH_LENGTH, (_S.DECODING,), _S.FINISHED, Guard(when=("length_reached",), unless=("eos_frame",)),
+                   FinishReason.LENGTH),
+    ]
+    stages = (_INTAKE_STAGE, Stage("mtp", Phase.MTP, (_T.MTP, _T.MTP_FAIL)), _PUBLISH_STAGES[0],
+              Stage("end", Phase.PUBLISH, (_T.LAST_FRAME, _T.FINISH_LENGTH)))
+    return LifecycleSpec(
+        "stop_head", "Stop head and continuous payload: the stop frame is published, then ends (VoxCPM2)",
+        tuple(transitions), stages, CLASSES, HOST_TRIGGERS,
+    )
+
+
 VARIANTS = {
     "mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle, "mtp_stop": mtp_stop_lifecycle,
     "conditioned": conditioned_lifecycle, "mtp_stop_deferred": mtp_stop_deferred_lifecycle,
-    "delay_pattern": delay_pattern_lifecycle,
+    "delay_pattern": delay_pattern_lifecycle, "stop_head": stop_head_lifecycle,
 }
 
 

@@ -7,7 +7,9 @@ per-row reference) returns one fault code per row:
 - FAULT_NAN (1): some logit is NaN;
 - FAULT_POSINF (2): some logit is +inf (and none is NaN);
 - FAULT_EMPTY (3): every finite logit is masked: every id the `allowed` mask admits holds
-  -inf, so no id is left to sample.
+  -inf, so no id is left to sample;
+- FAULT_PAYLOAD (4): not a sampler's: the continuous payload an MTP hook returned (a model
+  with ModelSpec.payload) holds a NaN or an infinity.
 
 A -inf logit is a mask (the id is never sampled, like an id outside `allowed`), not a
 fault. The checks are made on the float32 logits (a float64 logit beyond the float32
@@ -24,6 +26,7 @@ FAULT_OK = 0
 FAULT_NAN = 1
 FAULT_POSINF = 2
 FAULT_EMPTY = 3
+FAULT_PAYLOAD = 4
 
 FAULT_CODEBOOK_SHIFT = 4
 FAULT_KIND_MASK = (1 << FAULT_CODEBOOK_SHIFT) - 1
@@ -50,6 +53,8 @@ def describe_fault(word: int) -> str:
     kind, codebook = fault_kind(word), fault_codebook(word)
     if word == FAULT_OK:
         return "ended in error by the lifecycle, no sampling fault recorded"
+    if kind == FAULT_PAYLOAD:
+        return "MTP stage: the frame payload holds a NaN or an infinity"
     where = "CB0 sampling" if codebook == 0 else f"MTP sampling, codebook {codebook}"
     what = {
         FAULT_NAN: "a logit is NaN",

@@ -26,7 +26,7 @@ class SlotTable:
 
     max_slots: int
     max_context: int
-    num_codebooks: int
+    num_codebooks: int  # words per frame row: Q codes, then a payload's elements (ModelSpec.frame_width)
     hidden_size: int
     device: torch.device
     state: torch.Tensor  # int32 [R], State codes
@@ -70,7 +70,7 @@ class SlotTable:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         device = torch.device(device)
-        h, q, c = spec.hidden_size, spec.num_codebooks, spec.max_context
+        h, q, c = spec.hidden_size, spec.frame_width, spec.max_context
         r = max_slots + 1  # the last row is scratch: padding rows read and write it, inertly
 
         def col(shape=(), dtype=torch.int64):

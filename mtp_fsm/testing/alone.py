@@ -10,7 +10,7 @@ import torch
 from .._util.threads import torch_threads  # noqa: F401  (re-exported: tests import it from here)
 from ..engine import LockstepEngine, NewRequest, SchedulingPolicy
 from ..lifecycle import FinishReason
-from ..model_api import TalkerModel
+from ..model_api import FrameDraws, TalkerModel
 from ..sampling import SamplingParams
 from .delay_check import delay_pattern_problems
 from .scripted import ScriptedTalker, ScriptInputs
@@ -41,6 +41,12 @@ def scripted_conditioned() -> ScriptedTalker:
 def scripted_delay() -> ScriptedTalker:
     """A 4-codebook scripted talker whose codebooks follow a delay pattern (variant delay_pattern)."""
     return ScriptedTalker(dtype=torch.float64, variant="delay_pattern")
+
+
+def scripted_stop_head() -> ScriptedTalker:
+    """A scripted talker whose frame is CB0 plus a float payload; the stop frame is published
+    (variant stop_head, VoxCPM2's lifecycle)."""
+    return ScriptedTalker(dtype=torch.float64, variant="stop_head")
 
 
 def scripted_single() -> ScriptedTalker:
@@ -104,6 +110,10 @@ def run_alone(model_factory: ModelFactory, definition: RequestDef, **engine_kwar
             bad["mtp"] |= _faulty(logits)
             return sample(logits, codebook)
 
+        if isinstance(sample, FrameDraws):  # a payload model: a non-finite payload is the MTP fault
+            out = mtp(hidden, cb0, FrameDraws(probed, sample.normal, sample.previous))
+            bad["mtp"] |= not bool(torch.isfinite(out).all())
+            return out
         return mtp(hidden, cb0, probed)
 
     model.cb0_logits = probe_cb0
@@ -137,7 +147,11 @@ def check_script(definition: RequestDef, run: AloneRun, spec) -> None:
     # the request simply goes on.
     eos_at = inputs.eos_at if inputs.eos_at is not None and inputs.eos_at >= min_frames else None
 
+    stop_head = spec.lifecycle == "stop_head"  # an EOS frame still runs its MTP stage, then publishes
+
     def forced(f: int) -> str | None:
+        if eos_at == f and stop_head:
+            return "mtp" if f in (inputs.nan_at, inputs.mtp_nan_at) else "eos"
         if eos_at == f and not stop_in_mtp:
             return "eos"  # forced EOS logits are finite even where the hidden state is NaN
         if inputs.eos_at == f and not stop_in_mtp:  # forced but masked: CB0 is finite, a NaN reaches MTP
@@ -149,10 +163,13 @@ def check_script(definition: RequestDef, run: AloneRun, spec) -> None:
         return "eos" if eos_at == f else None
 
     n = len(run.frames)
+    if stop_head and run.reason is FinishReason.EOS:
+        n -= 1  # the stop frame itself is published: the forced event is its index
     early = [f for f in range(n) if forced(f)]
     end = forced(n)
     if run.reason is FinishReason.EOS:
-        ok = end in (None, "eos", "mtp")  # a natural EOS is sampled before the MTP stage
+        # A natural EOS is sampled before the MTP stage (which a stop head's EOS frame still runs).
+        ok = end in ((None, "eos") if stop_head else (None, "eos", "mtp"))
     elif run.reason is FinishReason.ERROR:
         ok = end == run.error_kind
     else:

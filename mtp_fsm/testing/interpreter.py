@@ -6,13 +6,15 @@ import torch
 
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Transition, Trigger
 from ..lifecycle import length_reached, prompt_done
-from ..lifecycle.predicates import delay_facts
+from ..lifecycle.predicates import delay_facts, eos_frame
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import (
-    FEED_COUNT, FEED_DONE, FEED_ROWS, DelayPattern, MtpResult, PreparedPrompt, TalkerModel, feed_columns,
+    FEED_COUNT, FEED_DONE, FEED_ROWS, DelayPattern, FrameDraws, MtpResult, PreparedPrompt, TalkerModel, feed_columns,
 )
 from ..sampling import FAULT_EMPTY, FAULT_NAN, FAULT_OK, FAULT_POSINF, SamplingParams, describe_fault, fault_word
-from ..sampling.noise import gumbel_noise, row_key
+from ..sampling.faults import FAULT_PAYLOAD
+from ..sampling.gaussian import gaussian_noise
+from ..sampling.noise import frame_key, gumbel_noise, row_key
 from ..sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables
 from .alone import AloneRun, RequestDef
 
@@ -74,6 +76,22 @@ def delay_pattern_row(logits: torch.Tensor, pattern: DelayPattern | None, frames
         elif token == pattern.boc or (token == pattern.eoc and codebook > 0):
             out[token] = NEG_INF
     return out
+
+
+def _payload_codes(model: TalkerModel, hidden, cb0, sample, seed: int, frames: list, faults: dict) -> torch.Tensor:
+    """A payload model's MTP stage for one row: its draws (Gaussian noise of this frame, the
+    last published payload), the hook, a non-finite payload as the codebook-1 fault; returns
+    the frame row [1, W] (the sampled CB0, then the payload's bits)."""
+    spec, device = model.spec, hidden.device
+    first, payload = spec.num_codebooks, spec.payload
+    key = frame_key(torch.tensor([seed], device=device), torch.tensor([len(frames)], device=device))
+    last = frames[-1][first:] if frames else (0,) * payload.numel
+    previous = payload.decode(torch.tensor([last], dtype=torch.int64, device=device))
+    draws = FrameDraws(sample, lambda shape: gaussian_noise(key, shape), previous)
+    out = model.mtp(hidden, cb0.clamp(0, spec.codebook_size - 1), draws)
+    if not bool(torch.isfinite(out).all()):
+        faults.setdefault(first, FAULT_PAYLOAD)
+    return torch.cat([cb0[:, None].to(torch.int64), payload.encode(out)], dim=1)
 
 
 def history_rules(generated: list[int], penalty: float | None, suppress_id: int | None):
@@ -247,7 +265,11 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
                     tokens.append(token)
                 return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
 
-            result = model.mtp(hidden, codes[:, 0].clamp(0, spec.codebook_size - 1), sample)
+            cb0_in = codes[:, 0].clamp(0, spec.codebook_size - 1)
+            if spec.payload is not None:
+                result = _payload_codes(model, hidden, codes[:, 0], sample, d.seed, frames, mtp_faults)
+            else:
+                result = model.mtp(hidden, cb0_in, sample)
             stop = isinstance(result, MtpResult) and bool(result.stop[0])
             codes = result.codes if isinstance(result, MtpResult) else result
             first = min(mtp_faults, default=None)  # the lowest bad codebook names the fault
@@ -260,11 +282,13 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
             published = len(frames) + any(e.publishes for e in fired)
             eoc = None if spec.delay_pattern is None else spec.delay_pattern.eoc
             return {Predicate.LENGTH_REACHED: length_reached(published, d.max_frames, computed, spec.max_context),
+                    Predicate.EOS_FRAME: eos_frame(codes[0].tolist(), spec.eos_token_id),
                     **delay_facts(len(frames), codes[0].tolist(), spec.num_codebooks, eoc)}
 
         if any(e.publishes for e in walk.phase(Phase.PUBLISH, publish_facts)):
             frames.append(tuple(int(c) for c in codes[0]))
-            last_embed = model.frame_embed(codes).to(spec.dtype)
+            shown = codes if spec.payload is None else spec.payload.decode(codes[:, spec.num_codebooks:])
+            last_embed = model.frame_embed(shown).to(spec.dtype)
         if walk.state in life.classes.in_step:
             raise AssertionError(f"spec {life.name!r} left the request resting in {walk.state.label}")
         if walk.state in life.classes.terminal:

@@ -28,7 +28,7 @@ import attrs
 
 from ..engine import LockstepEngine, Span, StepOutput, StepPlan
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, length_reached, prompt_done
-from ..lifecycle.predicates import delay_facts
+from ..lifecycle.predicates import delay_facts, eos_frame
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import FEED_COUNT, FEED_DONE, ModelSpec
 from ..engine.records import RequestRecord
@@ -246,11 +246,13 @@ class OracleDriver:
         return self.refs.get(key)
 
     def _frame_facts(self, r: RequestRecord) -> dict[Predicate, bool]:
-        """The delay-pattern facts of the frame the row would publish (its alone run's next one)."""
+        """The facts about the frame the row would publish (its alone run's next one): the
+        delay pattern's, and whether it is a stop frame."""
         pattern, alone = self.spec.delay_pattern, self._alone(r).frames
-        if pattern is None or r.num_frames >= len(alone):
-            return delay_facts(r.num_frames, (), self.spec.num_codebooks, None)
-        return delay_facts(r.num_frames, alone[r.num_frames], self.spec.num_codebooks, pattern.eoc)
+        codes = alone[r.num_frames] if r.num_frames < len(alone) else ()
+        eoc = None if pattern is None or not codes else pattern.eoc
+        return {Predicate.EOS_FRAME: eos_frame(codes, self.spec.eos_token_id),
+                **delay_facts(r.num_frames, codes, self.spec.num_codebooks, eoc)}
 
     def _publishes(self, edge) -> bool:
         return self.lifecycle.transition(*edge).publishes

@@ -6,11 +6,12 @@ import attrs
 import torch
 
 from ..model_api import (
-    FEED_COUNT, FEED_DONE, FEED_ROWS, CodebookSampler, ColumnSpec, DelayPattern, ModelSpec, MtpResult, PreparedPrompt,
-    TalkerModel,
+    FEED_COUNT, FEED_DONE, FEED_ROWS, CodebookSampler, ColumnSpec, DelayPattern, ModelSpec, MtpResult, PayloadSpec,
+    PreparedPrompt, TalkerModel,
 )
 
 PROMPT_VOCAB = 97
+PAYLOAD_SHAPE = (2, 3)  # variant "stop_head": the frame's continuous payload
 
 
 @attrs.frozen
@@ -71,6 +72,10 @@ class ScriptedTalker(TalkerModel):
             delay_pattern=pattern,
         )
         self._stop_id = eos if pattern is None else pattern.eoc
+        if variant == "stop_head":  # CB0 then a continuous payload; the stop frame is published
+            self.spec = attrs.evolve(self.spec, num_codebooks=1, eos_token_id=codebook_size,
+                                     payload=PayloadSpec(PAYLOAD_SHAPE, dtype))
+            self._stop_id = codebook_size
         g = torch.Generator().manual_seed(seed)
         h, v, q = hidden_size, codebook_size, num_codebooks
 
@@ -83,6 +88,8 @@ class ScriptedTalker(TalkerModel):
         self.text_table = rand(8, h) * 0.1
         self.head = rand(h, self.spec.backbone_vocab_size) * 2.0
         self.mtp_heads = rand(q, h, v) * 2.0
+        payload = int(torch.Size(PAYLOAD_SHAPE).numel())
+        self.payload_head, self.payload_embed = rand(h, payload), rand(payload, h) * 0.5
         self.cache: torch.Tensor | None = None
         self.columns: dict[str, torch.Tensor] = {}
 
@@ -161,6 +168,12 @@ class ScriptedTalker(TalkerModel):
 
     def mtp(self, hidden, cb0, sample: CodebookSampler):
         h, flags = hidden[:, : self.spec.hidden_size], hidden[:, self.spec.hidden_size:]
+        if self.spec.payload is not None:  # a FrameDraws: noise, and the previous payload as state
+            rows = h.shape[0]
+            patch = torch.tanh(h @ self.payload_head + self.code_tables[0][cb0][:, : self.payload_head.shape[1]])
+            patch = patch.reshape(rows, *PAYLOAD_SHAPE) + 0.25 * sample.normal(PAYLOAD_SHAPE).to(h.dtype)
+            patch = patch + 0.5 * sample.previous.to(h.dtype)
+            return torch.where(flags[:, 1, None, None] > 0, float("nan"), patch)
         codes = [cb0]
         state = h + self.code_tables[0][cb0]
         for g in range(1, self.spec.num_codebooks):
@@ -173,6 +186,8 @@ class ScriptedTalker(TalkerModel):
         return MtpResult(codes, flags[:, 0] > 0) if self.mtp_stops else codes
 
     def frame_embed(self, codes):
+        if self.spec.payload is not None:  # the payload [B, *PAYLOAD_SHAPE]
+            return codes.reshape(codes.shape[0], -1).to(self.payload_embed.dtype) @ self.payload_embed
         out = self.code_tables[0][codes[:, 0].clamp(0, self.spec.codebook_size - 1)]
         for g in range(1, self.spec.num_codebooks):
             out = out + self.code_tables[g][codes[:, g].clamp(0, self.spec.codebook_size - 1)]

@@ -1,5 +1,5 @@
 """The Triton backend runs every lifecycle variant's engine like the torch one (interpret mode on
-the CPU): MTP-decided stops, the deferred schedule, the conditioning feed, the delay pattern."""
+the CPU): MTP-decided stops, the deferred schedule, the conditioning feed, the delay pattern, the stop head's float payload."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from mtp_fsm.engine import LockstepEngine, NewRequest, SchedulingPolicy  # noqa:
 from mtp_fsm.sampling import SamplingParams  # noqa: E402
 from mtp_fsm.testing import ScriptInputs  # noqa: E402
 from mtp_fsm.testing.alone import (  # noqa: E402
-    scripted_conditioned, scripted_delay, scripted_mtp_stop, scripted_mtp_stop_deferred, torch_threads,
+    scripted_conditioned, scripted_delay, scripted_mtp_stop, scripted_mtp_stop_deferred, scripted_stop_head,
+    torch_threads,
 )
 
 REQUESTS = [
@@ -41,8 +42,9 @@ def run(factory, kernels: str):
     return log
 
 
-@pytest.mark.parametrize("factory", [scripted_mtp_stop, scripted_mtp_stop_deferred, scripted_conditioned, scripted_delay],
-                         ids=["mtp_stop", "mtp_stop_deferred", "conditioned", "delay_pattern"])
+@pytest.mark.parametrize("factory", [scripted_mtp_stop, scripted_mtp_stop_deferred, scripted_conditioned,
+                                     scripted_delay, scripted_stop_head],
+                         ids=["mtp_stop", "mtp_stop_deferred", "conditioned", "delay_pattern", "stop_head"])
 def test_triton_engine_equals_torch_engine(factory):
     if torch.cuda.is_available():
         pytest.skip("the scripted talkers run on the CPU; `make gpu-check` covers the GPU")
