@@ -12,6 +12,7 @@ import torch
 from ..engine.plan import FinishedRequest, FrameBatch
 from ..errors import MtpFsmError
 from ..lifecycle import FinishReason
+from ..model_api import ModelSpec
 
 # A request ended by the client or by an error gets no more audio: its pending frames
 # would be a truncated utterance nobody is waiting for.
@@ -54,6 +55,14 @@ class AudioChunk:
     def has_audio(self) -> bool:
         """Whether the chunk carries frames (an empty final chunk is an end-of-stream marker)."""
         return int(self.frames.shape[0]) > 0
+
+    def payloads(self, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """A model with a continuous payload (VoxCPM2's patches, for its VAE decoder):
+        (context, frames) as [n, *payload shape] tensors in the payload's dtype."""
+        if spec.payload is None:
+            raise ValueError(f"model {spec.name!r} has no frame payload: its frames are codes")
+        first = spec.num_codebooks
+        return spec.payload.decode(self.context_frames[:, first:]), spec.payload.decode(self.frames[:, first:])
 
 
 class _Stream:

@@ -1,5 +1,6 @@
 """ChunkingSink: first chunk, fixed chunks with left context, final chunk, aborts, ordering."""
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -136,3 +137,25 @@ def test_chunks_cover_every_frame_exactly_once_in_order(counts, first_chunk, chu
             assert c.context_frames.tolist() == flat[max(0, c.start_frame - left_context): c.start_frame]
             size = first_chunk if c.chunk_index == 0 else chunk
             assert len(c.frames) == size or (c.is_final and len(c.frames) < size)
+
+
+def test_payload_chunks_decode_to_the_published_patches():
+    """A VoxCPM2-style model's chunks carry word rows; `payloads` gives back the very patches
+    (bit for bit, NaN and -0.0 included), context and chunk, in the payload's dtype."""
+    from mtp_fsm.model_api import ModelSpec, PayloadSpec
+
+    spec = ModelSpec(name="patchy", hidden_size=4, num_codebooks=1, backbone_vocab_size=2, codebook_size=1,
+                     eos_token_id=1, max_context=16, variant="stop_head", payload=PayloadSpec((2, 3)))
+    patches = torch.randn(5, 2, 3)
+    patches[1, 0, 0], patches[2, 1, 2] = float("nan"), -0.0
+    words = torch.cat([torch.zeros(5, 1, dtype=torch.int64), spec.payload.encode(patches)], dim=1)
+    chunks = []
+    sink = ChunkingSink(chunks.append, first_chunk=2, chunk=3, left_context=2)
+    sink.on_frames(0, FrameBatch(("r",) * 5, torch.arange(5), words))
+    sink.on_finished(1, FinishedRequest("r", FinishReason.EOS, 5))
+    context, frames = chunks[1].payloads(spec)
+    assert frames.dtype == torch.float32 and frames.shape == (3, 2, 3) and context.shape == (2, 2, 3)
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    assert torch.equal(bits(frames), bits(patches[2:])) and torch.equal(bits(context), bits(patches[:2]))
+    with pytest.raises(ValueError, match="no frame payload"):
+        chunks[0].payloads(attrs.evolve(spec, payload=None))
