@@ -153,6 +153,14 @@ def models_table(section: dict) -> str:
             + ("–" if ratio is None else f"{ratio:.3f}×") + f" | {m.get('steps', '–')} |"
         )
         lines += [f"|  | problem: {p.replace('|', '/')} | | | | | | | | | |" for p in problems]
+    costs = section.get("frame_costs")
+    if costs:
+        cells = "; ".join(f"B={b}: {r['payload_us']:.0f} µs payload, {r['delay_us']:.0f} µs delay pattern"
+                          for b, r in costs["batches"].items())
+        lines += ["", "Frame-format work the engine adds per step at the real sizes (`bench/frame_costs.py`, "
+                  f"torch.utils.benchmark medians): VoxCPM2's payload ({'×'.join(map(str, costs['payload_shape']))} "
+                  f"float32 patch: noise, decode, finiteness, encode) and Higgs Audio v3's delay-pattern masks "
+                  f"({costs['delay_codebooks']} codebooks × {costs['delay_vocab']}): {cells}. Other models run none of it."]
     return "\n".join(lines)
 
 

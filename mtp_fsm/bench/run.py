@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"engine step per talker model (B={', '.join(map(str, MODEL_BATCH_SIZES))}):")
             names = [n for n in args.models.split(",") if n] or None
             results["models"] = bench_models(names, MODEL_BATCH_SIZES, budget_s=args.model_budget, log=log)
+            from .frame_costs import bench_frame_costs
+
+            log("frame-format work per step (real sizes):")
+            results["models"]["frame_costs"] = bench_frame_costs(MODEL_BATCH_SIZES, log=log)
         if "e2e" not in skip:
             from .e2e import bench_e2e
 

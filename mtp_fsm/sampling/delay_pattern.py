@@ -25,6 +25,10 @@ class DelayRows:
         depth = torch.where(is_eoc[:, 0] & (frame_index > 0), is_eoc.sum(dim=1), 0)[:, None]
         boc = torch.where(q > frame_index[:, None], pattern.boc, -1)
         self.forced = torch.where((depth > 0) & (q <= depth), pattern.eoc, boc)
+        self._is_forced = self.forced >= 0  # [B, Q]
+        self._forced_id = self.forced.clamp(min=0)
+        # Made once per step (a tensor built per codebook would be a host-to-device copy).
+        self._banned = torch.tensor([[pattern.boc, pattern.boc], [pattern.boc, pattern.eoc]], device=q.device)
 
     @classmethod
     def for_rows(cls, pattern: DelayPattern, num_frames: torch.Tensor, frame_codes: torch.Tensor,
@@ -32,8 +36,10 @@ class DelayRows:
         return cls(pattern, num_frames[slots], frame_codes[slots])
 
     def apply(self, logits: torch.Tensor, codebook: int) -> torch.Tensor:
-        ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        forced = self.forced[:, codebook: codebook + 1]
-        banned = (ids == self.pattern.boc) | ((ids == self.pattern.eoc) & (codebook > 0))
-        keep = torch.where(forced >= 0, ids == forced, ~banned)
-        return logits.masked_fill(~keep, float("-inf"))
+        # Two passes over [B, V] (the copy, the forced rows' fill); the rest touches O(B) entries.
+        forced, forced_id = self._is_forced[:, codebook: codebook + 1], self._forced_id[:, codebook: codebook + 1]
+        kept = logits.gather(1, forced_id)  # the forced id's own logit (a NaN there still faults)
+        out = logits.index_fill(1, self._banned[min(codebook, 1)], float("-inf"))
+        free = out.gather(1, forced_id)  # what a free row holds there after the bans
+        out.masked_fill_(forced, float("-inf"))
+        return out.scatter_(1, forced_id, torch.where(forced, kept, free))
