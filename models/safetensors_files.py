@@ -1,9 +1,13 @@
-"""Locating a checkpoint's safetensors files (single file or sharded index), shared by the adapters."""
+"""Checkpoint safetensors shared by the adapters: locating the files, matching and loading tensors by name."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
 
 
 class CheckpointError(ValueError):
@@ -39,3 +43,36 @@ def check_match(directory: Path, missing: list[str], unexpected: list[str], mism
     if mismatched:
         parts.append(f"shape mismatches: {mismatched}")
     raise CheckpointError(f"checkpoint {directory} does not match its config: " + "; ".join(parts))
+
+
+def load_by_name(params: dict[str, torch.Tensor], directory: Path, files: list[Path], dtype: torch.dtype,
+                 skip: Callable[[str], bool] = lambda key: False, noun: str = "tensors") -> None:
+    """Fill `params` (a module's state_dict) from the safetensors `files` by tensor name.
+
+    Every name is checked before any tensor data is read: a missing, unexpected or
+    mis-shaped tensor raises CheckpointError naming each one. `skip(key)` marks checkpoint
+    tensors the model does not hold (e.g. training-only heads)."""
+    located: dict[str, Path] = {}
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                if skip(key):
+                    continue
+                if key not in params:
+                    unexpected.append(key)
+                    continue
+                shape = tuple(handle.get_slice(key).get_shape())
+                if shape != tuple(params[key].shape):
+                    mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(params[key].shape)}")
+                located[key] = path
+    check_match(directory, sorted(set(params) - set(located)), unexpected, mismatched, noun=noun)
+    by_file: dict[Path, list[str]] = {}
+    for key, path in located.items():
+        by_file.setdefault(path, []).append(key)
+    with torch.no_grad():
+        for path, keys in by_file.items():
+            with safe_open(str(path), framework="pt") as handle:
+                for key in keys:
+                    params[key].copy_(handle.get_tensor(key).to(dtype))

@@ -7,10 +7,9 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.safetensors_files import CheckpointError, check_match
+from models.safetensors_files import CheckpointError, load_by_name
 
 from .adapter import ChatterboxTalker
 from .config import ChatterboxConfig
@@ -76,30 +75,6 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
     directory = Path(directory)
     config = config if config is not None else _config(directory)
     model = ChatterboxTalker(config, dtype=dtype, device=device, init_weights=False, **model_kwargs)
-    params = model.module.state_dict()
-    located: dict[str, Path] = {}
-    unexpected: list[str] = []
-    mismatched: list[str] = []
-    for path in _weight_files(directory):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if IGNORED.search(key):
-                    continue
-                if key not in params:
-                    unexpected.append(key)
-                    continue
-                shape = tuple(handle.get_slice(key).get_shape())
-                if shape != tuple(params[key].shape):
-                    mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(params[key].shape)}")
-                located[key] = path
-    missing = sorted(set(params) - set(located))
-    check_match(directory, missing, unexpected, mismatched, noun='tensors')
-    by_file: dict[Path, list[str]] = {}
-    for key, path in located.items():
-        by_file.setdefault(path, []).append(key)
-    with torch.no_grad():
-        for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
-                for key in keys:
-                    params[key].copy_(handle.get_tensor(key).to(dtype))
+    load_by_name(model.module.state_dict(), directory, _weight_files(directory), dtype,
+                 skip=lambda key: IGNORED.search(key) is not None)
     return model

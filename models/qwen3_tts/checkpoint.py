@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.safetensors_files import CheckpointError, check_match, weight_files  # noqa: F401  (CheckpointError re-exported)
+from models.safetensors_files import CheckpointError, load_by_name, weight_files  # noqa: F401  (CheckpointError re-exported)
 
 from .adapter import Qwen3TTSTalker
 from .config import Qwen3TTSConfig
@@ -50,30 +49,5 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
     directory = Path(directory)
     config = Qwen3TTSConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
     model = Qwen3TTSTalker(config, dtype=dtype, device=device, init_weights=False, **model_kwargs)
-    params = model.module.state_dict()
-    located: dict[str, Path] = {}
-    unexpected: list[str] = []
-    mismatched: list[str] = []
-    for path in weight_files(directory):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key.startswith(IGNORED_PREFIXES):
-                    continue
-                if key not in params:
-                    unexpected.append(key)
-                    continue
-                shape = tuple(handle.get_slice(key).get_shape())
-                if shape != tuple(params[key].shape):
-                    mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(params[key].shape)}")
-                located[key] = path
-    missing = sorted(set(params) - set(located))
-    check_match(directory, missing, unexpected, mismatched)
-    by_file: dict[Path, list[str]] = {}
-    for key, path in located.items():
-        by_file.setdefault(path, []).append(key)
-    with torch.no_grad():
-        for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
-                for key in keys:
-                    params[key].copy_(handle.get_tensor(key).to(dtype))
+    load_by_name(model.module.state_dict(), directory, weight_files(directory), dtype, skip=lambda key: key.startswith(IGNORED_PREFIXES), noun="keys")
     return model

@@ -184,3 +184,22 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, attend: Callable[[Attention, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         x = x + attend(self.self_attn, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def run_over_slots(layers, x: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
+                   cache: list[tuple[torch.Tensor, torch.Tensor]], cos_table: torch.Tensor,
+                   sin_table: torch.Tensor) -> torch.Tensor:
+    """Flat tokens x [T, H] of many requests through decoder `layers`, each attending over
+    its own slot's KV cache (one (K, V) pair per layer) and writing its KV there -> [T, H]."""
+    rows, context = cache[0][0].shape[:2]
+    # Padding tokens (slot -1) write and read the scratch row rows-1, never a real slot.
+    write_slot = torch.where(token_slots >= 0, token_slots, torch.full_like(token_slots, rows - 1))
+    # Padding tokens may carry any position; clamping keeps the gathers in bounds.
+    pos = positions.clamp(0, context - 1)
+    cos, sin = cos_table[pos], sin_table[pos]
+    mask = torch.arange(context, device=x.device)[None, :] <= pos[:, None]  # [T, C]
+    for layer, (cache_k, cache_v) in zip(layers, cache):
+        def attend(attn: Attention, h: torch.Tensor, k=cache_k, v=cache_v) -> torch.Tensor:
+            return attn.forward_cached(h, cos, sin, write_slot, pos, mask, k, v)
+        x = layer(x, attend)
+    return x

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.safetensors_files import CheckpointError, check_match, weight_files
+from models.safetensors_files import CheckpointError, load_by_name, weight_files  # noqa: F401  (re-exported)
 
 from .config import VoxCPM2Config
 from .core import VoxCPM2Core
@@ -44,29 +43,6 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
     config = VoxCPM2Config.from_hf_dict(json.loads(config_path.read_text()))
     # model_cls: the class to build (default VoxCPM2Core; VoxCPM2Talker for the engine).
     core = (model_cls or VoxCPM2Core)(config, dtype=dtype, device=device, init_weights=False, **core_kwargs)
-    params = core.module.state_dict()
-    located: dict[str, Path] = {}
-    unexpected: list[str] = []
-    mismatched: list[str] = []
-    for path in weight_files(directory):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key.startswith(IGNORED_PREFIXES):
-                    continue
-                if key not in params:
-                    unexpected.append(key)
-                    continue
-                shape = tuple(handle.get_slice(key).get_shape())
-                if shape != tuple(params[key].shape):
-                    mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(params[key].shape)}")
-                located[key] = path
-    check_match(directory, sorted(set(params) - set(located)), unexpected, mismatched, noun="tensors")
-    by_file: dict[Path, list[str]] = {}
-    for key, path in located.items():
-        by_file.setdefault(path, []).append(key)
-    with torch.no_grad():
-        for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
-                for key in keys:
-                    params[key].copy_(handle.get_tensor(key).to(dtype))
+    load_by_name(core.module.state_dict(), directory, weight_files(directory), dtype,
+                 skip=lambda key: key.startswith(IGNORED_PREFIXES))
     return core
