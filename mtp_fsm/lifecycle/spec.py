@@ -145,6 +145,13 @@ class LifecycleSpec:
         used = {t.trigger for t in self.transitions}
         return tuple(t for t in Trigger if t in used)
 
+    @property
+    def publishes_stop_frame(self) -> bool:
+        """Whether a request's eos ending is decided at publication, after its last frame was
+        published in the same step (stop head, delay pattern), rather than before any frame."""
+        publish = {t for s in self.stages_of(Phase.PUBLISH) for t in s.triggers}
+        return any(t.reason is FinishReason.EOS and t.trigger in publish for t in self.transitions)
+
     def stages_of(self, phase: Phase) -> tuple[Stage, ...]:
         return tuple(s for s in self.stages if s.phase is phase)
 

@@ -12,7 +12,7 @@ import torch
 
 from ..engine.plan import FinishedRequest, Frame, Generation, NewRequest
 from ..errors import AdmissionError
-from ..lifecycle import FinishReason
+from ..lifecycle import FinishReason, lifecycle_for
 from ..serving.metrics import ServingMetrics, ServingSummary
 from .frame_store import TakenFrames
 from .model_dir import TalkerDirConfig, stop_token_id, write_model_dir
@@ -48,6 +48,7 @@ class TalkerLLM:
         self.talker = self.config.load_talker()
         spec = self.talker.model.spec
         self.stop_token_id = stop_token_id(spec)
+        self._stop_frame_published = lifecycle_for(spec.lifecycle).publishes_stop_frame
         self._tmp = None
         if model_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="mtp_fsm_vllm_")
@@ -176,9 +177,10 @@ class TalkerLLM:
         completion = output.outputs[0]
         tokens = list(completion.token_ids)
         cb0 = [int(f.codes[0]) for f in generation.frames]
-        engine_ended = generation.finished is not None and generation.finished.reason in (FinishReason.EOS,
-                                                                                           FinishReason.ERROR)
-        expected = cb0 + ([self.stop_token_id] if engine_ended else [])
+        reason = None if generation.finished is None else generation.finished.reason
+        if reason is FinishReason.EOS and self._stop_frame_published and cb0:
+            cb0 = cb0[:-1]  # the ending step published the last frame: its token is the stop id
+        expected = cb0 + ([self.stop_token_id] if reason in (FinishReason.EOS, FinishReason.ERROR) else [])
         if tokens != expected:
             raise FrameChannelError(f"request {generation.request_id!r}: vLLM delivered CB0 tokens {tokens[:8]}... "
                                     f"({len(tokens)}) but the worker's frames give {expected[:8]}... ({len(expected)})")

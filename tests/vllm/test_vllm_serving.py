@@ -86,3 +86,25 @@ def test_vllms_default_process_layout_spawned_engine_core_and_worker(checkpoint)
                    multiprocessing=True) as llm:
         got = {rid: frames_of(g) for rid, g in llm.generate(requests).items()}
     assert got == embedded_frames(requests, model=load_checkpoint(checkpoint))
+
+
+@pytest.mark.parametrize("name", ["higgs_audio_v3", "voxcpm2"])
+def test_talkers_that_publish_their_stop_frame_under_vllm(name):
+    """Higgs Audio v3 (delay pattern: the all-EOC frame ends) and VoxCPM2 (stop head: the stop
+    patch is published) end a request in the step that publishes its last frame; vLLM gets
+    the stop id for it, and frames (payload bits included) equal the embedded loop's."""
+    import importlib
+
+    from mtp_fsm.engine import NewRequest
+
+    package = importlib.import_module(f"models.{name}")
+    requests = [NewRequest(f"{name}-{i}", package.text_inputs(text), 30, 50 + i)
+                for i, text in enumerate(("hello there", "ab xy", "the quick brown fox"))]
+    llm = TalkerLLM(name, max_num_seqs=4)
+    try:
+        got = {rid: frames_of(g) for rid, g in llm.generate(requests).items()}
+    finally:
+        llm.close()
+    want = embedded_frames(requests, model=package.tiny_demo_talker(seed=0))
+    assert got == want
+    assert FinishReason.EOS in {reason for _, reason in want.values()}
