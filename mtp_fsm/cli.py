@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=seed64, default=0, help="model weights seed; request i samples with seed+i")
     demo.add_argument("--max-frames", type=positive, default=48, help="frame budget per request")
     demo.add_argument("--model", default=DEFAULT_MODEL,
-                      help="talker: qwen3_tts, qwen3_omni, moss_tts_local, chatterbox, higgs_audio_v3, voxcpm2, or a factory import string "
+                      help="talker: qwen3_tts, qwen3_omni, moss_tts_local, chatterbox, higgs_audio_v3, voxcpm2, mtp_lm, or a factory import string "
                            "'package.module:factory'")
     demo.add_argument("--out", default="demo_out", help="output folder (states.png, frames.jsonl)")
     demo.add_argument("--preempt-after", type=positive, default=None, metavar="N",

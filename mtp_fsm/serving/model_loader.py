@@ -13,7 +13,7 @@ from ..model_api import TalkerModel
 DEFAULT_MODEL = "qwen3_tts"
 # Short names of the talkers in `models/` (each package's tiny seeded demo factory).
 MODEL_NAMES = {
-    name: f"models.{name}:tiny_demo_talker" for name in ("qwen3_tts", "qwen3_omni", "moss_tts_local", "chatterbox", "higgs_audio_v3", "voxcpm2")
+    name: f"models.{name}:tiny_demo_talker" for name in ("qwen3_tts", "qwen3_omni", "moss_tts_local", "chatterbox", "higgs_audio_v3", "voxcpm2", "mtp_lm")
 }
 SCRIPTED_MODEL = "mtp_fsm.serving.model_loader:scripted_talker"
 
