@@ -208,7 +208,7 @@ def _demo(args: argparse.Namespace) -> int:
     chunk_sizes: list[int] = []  # a stand-in vocoder: the demo only counts what it would decode
     chunker = ChunkingSink(
         lambda chunk: chunk.has_audio and chunk_sizes.append(len(chunk.frames)),  # empty final chunks are no audio
-        num_codebooks=engine.spec.num_codebooks,
+        num_codebooks=engine.spec.frame_width,
     )
     jsonl = JsonlSink(os.path.join(args.out, "frames.jsonl"))
     loop = ServingLoop(engine, sinks=(jsonl, chunker))

@@ -188,7 +188,7 @@ def _run(config: SoakConfig, log: Callable[[str], None]) -> SoakReport:
     def count_chunk(chunk: AudioChunk) -> None:
         report.audio_chunks += chunk.has_audio
 
-    chunker = ChunkingSink(count_chunk, num_codebooks=engine.spec.num_codebooks, max_closed=config.retention)
+    chunker = ChunkingSink(count_chunk, num_codebooks=engine.spec.frame_width, max_closed=config.retention)
     metrics = ServingMetrics(max_steps=config.retention, max_finished=config.retention)
 
     def finished_hook(_step: int, finished: FinishedRequest) -> None:
