@@ -20,15 +20,23 @@ from mtp_fsm.testing.alone import torch_threads
 from mtp_fsm.testing.alone import scripted_conditioned, scripted_delay, scripted_mtp_stop, scripted_stop_head
 from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycle_test_case, scripted_mtp, scripted_single
 
-# Tuned so the whole file runs in about 2 minutes on 2 cores (the rarest edge still fires several times).
+# Tuned so the whole file runs in about 2 minutes on 2 cores. Derandomized: the same examples on
+# every run and machine, so the edge-coverage check below is a fixed fact, not a dice roll (a
+# strategy or spec change that stops an edge firing fails here at once, reproducibly).
 CHECKS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 SETTINGS = {
-    "mtp": settings(max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
-    "single_codebook": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
-    "mtp_stop": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
-    "conditioned": settings(max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
-    "stop_head": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
-    "delay_pattern": settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS),
+    "mtp": settings(max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
+                    derandomize=True),
+    "single_codebook": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
+                    derandomize=True),
+    "mtp_stop": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
+                    derandomize=True),
+    "conditioned": settings(max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
+                    derandomize=True),
+    "stop_head": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
+                    derandomize=True),
+    "delay_pattern": settings(max_examples=110, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
+                    derandomize=True),
 }
 FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop,
              "conditioned": scripted_conditioned, "delay_pattern": scripted_delay,

@@ -37,15 +37,18 @@ def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6)
         n = draw(st.integers(1, min(max_prompt, spec.max_context - 1)))
         budget = draw(frames)
 
-        def at():  # a forced event at some frame, for about one request in five
-            return draw(st.integers(0, min(budget, max_frames) - 1)) if draw(st.integers(0, 4)) == 0 else None
+        def at(first: int = 0):  # a forced event at some frame, for about one request in five
+            if draw(st.integers(0, 4)) != 0:
+                return None
+            # `first` in 3: often the prompt's own frame (a fault there ends a prefilling row)
+            return 0 if draw(st.integers(0, 2)) < first else draw(st.integers(0, min(budget, max_frames) - 1))
 
         prompt = tuple(draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)))
         feed, feed_done = (), True
         if spec.has_feed:  # the whole feed: a request never starves for more than it will get
             feed = tuple(draw(st.lists(st.integers(0, 96), max_size=budget + 1)))
             feed_done = len(feed) < budget or draw(st.booleans())
-        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(), mtp_nan_at=at() if spec.has_mtp else None,
+        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(first=1), mtp_nan_at=at() if spec.has_mtp else None,
                               feed=feed, feed_done=feed_done)
         seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
         if history:

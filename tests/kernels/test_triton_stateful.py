@@ -20,7 +20,7 @@ DEVICE = torch.device("cpu") if TK.interpreted() else torch.device("cuda")
 if TK.unsupported(DEVICE) is not None:
     pytest.skip(f"Triton backend unusable here: {TK.unsupported(DEVICE)}", allow_module_level=True)
 
-SETTINGS = settings(max_examples=6, stateful_step_count=16, deadline=None,
+SETTINGS = settings(max_examples=4, stateful_step_count=14, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

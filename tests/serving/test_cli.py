@@ -10,7 +10,7 @@ import types
 import pytest
 
 from mtp_fsm import cli
-from mtp_fsm.serving.model_loader import SCRIPTED_MODEL, ModelLoadError, load_talker
+from mtp_fsm.serving.model_loader import MODEL_NAMES, SCRIPTED_MODEL, ModelLoadError, load_talker
 
 
 def _read_jsonl(path):
@@ -213,3 +213,17 @@ def test_bench_bad_threads_or_out_dir_fail_before_benchmarking(tmp_path, capsys,
     assert calls == []
     assert cli.main(["bench", "--out-dir", str(tmp_path / "new" / "dir"), "--threads", "0"]) == 0
     assert not (tmp_path / "new").exists()  # checked, not created: the bench creates it when it writes
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_NAMES))
+def test_demo_runs_every_talker_of_the_zoo(name, tmp_path):
+    """`mtp-fsm demo --model NAME` for every short name (each lifecycle variant's talker):
+    every request ends and the JSONL holds exactly the frames the endings count."""
+    out = tmp_path / name
+    rc = cli.main(["demo", "--requests", "2", "--max-frames", "6", "--max-slots", "2", "--model", name,
+                   "--out", str(out), "--no-progress"])
+    assert rc == 0
+    records = _read_jsonl(out / "frames.jsonl")
+    finished = [r for r in records if r["type"] == "finished"]
+    assert len(finished) == 2
+    assert len([r for r in records if r["type"] == "frame"]) == sum(r["num_frames"] for r in finished) > 0
