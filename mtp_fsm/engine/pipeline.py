@@ -11,8 +11,8 @@ from ..lifecycle import Predicate
 from ..model_api import ColumnSpec, FrameDraws, ModelSpec, MtpResult
 from ..sampling.faults import FAULT_PAYLOAD, fault_word
 from ..sampling.gaussian import gaussian_noise
-from ..sampling.noise import frame_key
 from ..sampling.delay_pattern import DelayRows
+from ..sampling.noise import frame_key
 
 # Engine-owned slot columns of the deferred schedule: what the sampling step leaves for the
 # next step's MTP (reset with the row at admission, so a recycled slot starts from zeros).
@@ -108,6 +108,11 @@ class DevicePipeline:
         self.kernels.mtp_scatter(self.table, self._lc, batch, mtp_faults, None)
         return torch.cat([cb0[:, None].to(torch.int64), payload.encode(out)], dim=1)
 
+    def _publish(self, batch: StepBatch, codes: torch.Tensor) -> torch.Tensor:
+        """The publish-phase stages, with the frame facts this model's lifecycle reads."""
+        return self.kernels.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes),
+                                           self._eoc, self._eos_frame)
+
     @staticmethod
     def _delayed(sample, rows: DelayRows):
         """The MTP sampler with the delay pattern's constraints on each codebook's logits."""
@@ -119,7 +124,7 @@ class DevicePipeline:
     def _current_step(self, batch: StepBatch) -> torch.Tensor:
         hidden, cb0 = self._backbone(batch)
         codes = self._frame(batch, hidden, cb0)
-        return self.kernels.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes), self._eoc, self._eos_frame)
+        return self._publish(batch, codes)
 
     def _deferred(self, batch: StepBatch) -> torch.Tensor:
         """The pending frame (sampled last step) first, from the cached hidden state and CB0;
@@ -127,7 +132,7 @@ class DevicePipeline:
         table, slot = self.table, batch.idx_mapping
         cached_hidden, cached_cb0 = table.extra[DEFERRED_HIDDEN][slot], table.extra[DEFERRED_CB0][slot]
         codes = self._frame(batch, cached_hidden, cached_cb0)
-        packed = self.kernels.publish_frames(table, self._lc, batch, codes, self._frame_embed(codes), self._eoc, self._eos_frame)
+        packed = self._publish(batch, codes)
         hidden, cb0 = self._backbone(batch)
         # Only rows that own their slot write its cache (a stale row is flagged by the kernels and
         # must not clobber the owner's); rows that did not sample leave values no edge reads.

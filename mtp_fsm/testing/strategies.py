@@ -48,8 +48,12 @@ def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6)
         if spec.has_feed:  # the whole feed: a request never starves for more than it will get
             feed = tuple(draw(st.lists(st.integers(0, 96), max_size=budget + 1)))
             feed_done = len(feed) < budget or draw(st.booleans())
-        inputs = ScriptInputs(prompt, eos_at=at(), nan_at=at(first=1), mtp_nan_at=at() if spec.has_mtp else None,
-                              feed=feed, feed_done=feed_done)
+        eos_at, nan_at, mtp_nan_at = at(), at(first=1), at() if spec.has_mtp else None
+        if spec.delay_pattern is not None and eos_at is not None and draw(st.integers(0, 1)) == 0:
+            # The wind-down lasts Q - 1 frames: aim a fault into it (else it is rarely hit).
+            nan_at = eos_at + draw(st.integers(1, spec.num_codebooks - 1))
+        inputs = ScriptInputs(prompt, eos_at=eos_at, nan_at=nan_at, mtp_nan_at=mtp_nan_at, feed=feed,
+                              feed_done=feed_done)
         seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
         if history:
             cb0, min_frames = draw(st.sampled_from(CB0_SAMPLING)), draw(st.sampled_from(MIN_FRAMES))
