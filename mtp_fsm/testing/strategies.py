@@ -37,18 +37,19 @@ def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6)
         n = draw(st.integers(1, min(max_prompt, spec.max_context - 1)))
         budget = draw(frames)
 
-        def at(first: int = 0):  # a forced event at some frame, for about one request in five
-            if draw(st.integers(0, 4)) != 0:
+        def at(first: int = 0, odds: int = 5):  # a forced event at some frame, for one request in `odds`
+            if draw(st.integers(0, odds - 1)) != 0:
                 return None
             # `first` in 3: often the prompt's own frame (a fault there ends a prefilling row)
-            return 0 if draw(st.integers(0, 2)) < first else draw(st.integers(0, min(budget, max_frames) - 1))
+            return 0 if draw(st.integers(0, 2)) < first else draw(st.integers(0, budget - 1))
 
         prompt = tuple(draw(st.lists(st.integers(0, 96), min_size=n, max_size=n)))
         feed, feed_done = (), True
         if spec.has_feed:  # the whole feed: a request never starves for more than it will get
             feed = tuple(draw(st.lists(st.integers(0, 96), max_size=budget + 1)))
             feed_done = len(feed) < budget or draw(st.booleans())
-        eos_at, nan_at, mtp_nan_at = at(), at(first=1), at() if spec.has_mtp else None
+        # Faults often (one request in three): every variant has a fault edge from each live state.
+        eos_at, nan_at, mtp_nan_at = at(), at(first=1, odds=3), at(odds=3) if spec.has_mtp else None
         if spec.delay_pattern is not None and eos_at is not None and draw(st.integers(0, 1)) == 0:
             # The wind-down lasts Q - 1 frames: aim a fault into it (else it is rarely hit).
             nan_at = eos_at + draw(st.integers(1, spec.num_codebooks - 1))
