@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.safetensors_files import CheckpointError, check_match, weight_files
+from models.safetensors_files import CheckpointError, load_by_name, weight_files
 
 from .adapter import MtpLMTalker
 from .config import MtpLMConfig
@@ -56,36 +56,17 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.float32
             raise CheckpointError(f"no config.json in {directory}")
         config = MtpLMConfig.from_hf_dict(json.loads(path.read_text()))
     model = MtpLMTalker(config, dtype=dtype, device=device, init_weights=False, **model_kwargs)
-    params = model.module.state_dict()
-    copies = shared_copies(config)
-    located: dict[str, Path] = {}
-    unexpected: list[str] = []
-    mismatched: list[str] = []
-    for path in weight_files(directory):
+    params, copies, files = model.module.state_dict(), shared_copies(config), weight_files(directory)
+    load_by_name(params, directory, files, dtype, skip=lambda key: key in copies)
+    differing = []
+    for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
-                target = copies.get(key, key)
-                if target not in params:
-                    unexpected.append(key)
-                    continue
-                shape = tuple(handle.get_slice(key).get_shape())
-                if shape != tuple(params[target].shape):
-                    mismatched.append(f"{key}: checkpoint {shape} vs model {tuple(params[target].shape)}")
-                located[key] = path
-    missing = sorted(set(params) - set(located))
-    check_match(directory, missing, unexpected, mismatched, noun="tensors")
-    with torch.no_grad():
-        for key, path in located.items():
-            if key not in copies:
-                with safe_open(str(path), framework="pt") as handle:
-                    params[key].copy_(handle.get_tensor(key).to(dtype))
-        differing = []
-        for key, path in located.items():
-            if key in copies:
-                with safe_open(str(path), framework="pt") as handle:
-                    if not torch.equal(handle.get_tensor(key).to(dtype), params[copies[key]]):
-                        differing.append(f"{key} != {copies[key]}")
-        if differing:
-            raise CheckpointError(f"checkpoint {directory}: shared copies differ from the tied tensors "
-                                  f"(this model ties them): {differing}")
+                copy = handle.get_tensor(key).to(dtype) if key in copies else None
+                if copy is not None and not (copy.shape == params[copies[key]].shape
+                                             and torch.equal(copy, params[copies[key]])):
+                    differing.append(f"{key} != {copies[key]}")
+    if differing:
+        raise CheckpointError(f"checkpoint {directory}: shared copies differ from the tied tensors "
+                              f"(this model ties them): {differing}")
     return model

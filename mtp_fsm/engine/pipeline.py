@@ -11,7 +11,7 @@ from ..lifecycle import Predicate
 from ..model_api import ColumnSpec, FrameDraws, ModelSpec, MtpResult
 from ..sampling.faults import FAULT_PAYLOAD, fault_word
 from ..sampling.gaussian import gaussian_noise
-from ..sampling.delay_pattern import DelayRows
+from ..sampling.delay_pattern import DelayRows, banned_ids
 from ..sampling.noise import frame_key
 
 # Engine-owned slot columns of the deferred schedule: what the sampling step leaves for the
@@ -41,6 +41,7 @@ class DevicePipeline:
         self._allowed, self.device = allowed, device
         self.reads_mtp_stop = Predicate.MTP_STOP in self.lifecycle.predicates_read()
         self._pattern = spec.delay_pattern
+        self._banned = None if spec.delay_pattern is None else banned_ids(spec.delay_pattern, device)
         self._eoc = None if spec.delay_pattern is None else spec.delay_pattern.eoc
         self._eos_frame = spec.eos_token_id if Predicate.EOS_FRAME in lifecycle.predicates_read() else None
         self._delay: DelayRows | None = None  # this step's constraints (delay-pattern models)
@@ -67,7 +68,8 @@ class DevicePipeline:
         last_hidden = hidden[batch.last_token]
         logits = self._cb0_logits(last_hidden)
         if self._pattern is not None:
-            self._delay = DelayRows.for_rows(self._pattern, table.num_frames, table.frame_codes, batch.idx_mapping)
+            self._delay = DelayRows.for_rows(self._pattern, table.num_frames, table.frame_codes, batch.idx_mapping,
+                                             self._banned)
             logits = self._delay.apply(logits, 0)
         cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
         return last_hidden, cb0

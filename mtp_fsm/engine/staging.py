@@ -78,12 +78,11 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
             if r.replay_codes is not None:
                 log[i, : len(r.replay_codes)] = r.replay_codes.cpu()
         staged["frame_log"] = log.to(device)
-        # The last published frame (what a delay pattern's wind-down continues from).
-        last = torch.zeros(len(admitted), spec.frame_width, dtype=torch.int64)
-        for i, r in enumerate(admitted):
-            if r.replay_codes is not None and len(r.replay_codes):
-                last[i] = r.replay_codes[-1].cpu()
-        staged["frame_codes"] = last.to(device)
+        # The last published frame (what a delay pattern's wind-down and a payload's `previous`
+        # continue from): row i's log at its frame count - 1 (zeros for a row with none).
+        frames = torch.tensor([0 if r.replay_codes is None else len(r.replay_codes) for r in admitted])
+        last = log[torch.arange(len(admitted)), (frames - 1).clamp(min=0)]
+        staged["frame_codes"] = torch.where((frames > 0)[:, None], last, 0).to(device)
         # The repetition penalty's CB0 counts, rebuilt exactly from the replayed frames.
         counts = torch.zeros(len(admitted), table.cb0_counts.shape[1], dtype=table.cb0_counts.dtype)
         for i, r in enumerate(admitted):

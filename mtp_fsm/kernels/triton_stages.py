@@ -306,16 +306,14 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     qm = rm[:, None] & (q < Q)[None, :]
     row64 = row.to(tl.int64)
     codes = tl.load(codes_ptr + (row64 * codes_s0)[:, None] + (q * codes_s1)[None, :], mask=qm, other=0)
+    cb0 = tl.load(codes_ptr + row64 * codes_s0, mask=rm, other=0)
     frame_word = tl.zeros_like(state)
     if DELAY:  # reference.delay_facts: the frame's own facts, the same for every stage
-        is_eoc = (codes == EOC) & qm
-        eoc0 = tl.sum(tl.where(q[None, :] == 0, is_eoc.to(tl.int32), 0), axis=1) != 0
-        all_eoc = tl.sum(is_eoc.to(tl.int32), axis=1) == Q
-        frame_word = (predicate_bit(frame_index >= Q - 2, B_RAMP_DONE) | predicate_bit(eoc0, B_EOC_FRAME)
+        all_eoc = tl.sum(((codes == EOC) & qm).to(tl.int32), axis=1) == Q
+        frame_word = (predicate_bit(frame_index >= Q - 2, B_RAMP_DONE) | predicate_bit(cb0 == EOC, B_EOC_FRAME)
                       | predicate_bit(all_eoc, B_ALL_EOC))
     if EOS_FRAME:  # the stop head's: the frame's CB0 is the EOS id
-        cb0_is_eos = tl.sum(tl.where((q[None, :] == 0) & qm & (codes == EOS), 1, 0), axis=1) != 0
-        frame_word = frame_word | predicate_bit(cb0_is_eos, B_EOS_FRAME)
+        frame_word = frame_word | predicate_bit(cb0 == EOS, B_EOS_FRAME)
     for s in tl.static_range(STAGES):
         length = ((frame_index + ready.to(tl.int64)) >= max_frames) | full
         word = predicate_bit(length, B_LENGTH_REACHED) | frame_word
@@ -334,7 +332,6 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     tl.store(flog_ptr + log_at[:, None] + q[None, :], codes, mask=rq)
     # The repetition penalty's memory: one more occurrence of the published CB0 id (a slot
     # owns at most one row of a step, so the read-modify-write does not race).
-    cb0 = tl.load(codes_ptr + row64 * codes_s0, mask=rm, other=0)
     count_at = counts_ptr + slot.to(tl.int64) * counts_stride + tl.minimum(tl.maximum(cb0, 0), V0 - 1)
     tl.store(count_at, tl.load(count_at, mask=rm & ready, other=0) + 1, mask=rm & ready)
     for h0 in range(0, H, BLOCK_H):

@@ -7,6 +7,12 @@ import torch
 from ..model_api import DelayPattern
 
 
+def banned_ids(pattern: DelayPattern, device: torch.device) -> torch.Tensor:
+    """The ids a free codebook may not take, [codebook 0, codebooks >= 1] (int64 [2, 2]): built
+    once by a caller that steps (a tensor built per step is a host-to-device copy)."""
+    return torch.tensor([[pattern.boc, pattern.boc], [pattern.boc, pattern.eoc]], device=device)
+
+
 class DelayRows:
     """One step's delay-pattern constraints for its rows, built from each row's next frame
     index and last published frame (engine slot columns), applied to a codebook's logits
@@ -16,7 +22,8 @@ class DelayRows:
     id's logit (a non-finite logit there still faults, loudly); a free one may not take BOC,
     nor EOC unless it is codebook 0."""
 
-    def __init__(self, pattern: DelayPattern, frame_index: torch.Tensor, last_codes: torch.Tensor) -> None:
+    def __init__(self, pattern: DelayPattern, frame_index: torch.Tensor, last_codes: torch.Tensor,
+                 banned: torch.Tensor | None = None) -> None:
         self.pattern = pattern
         q = torch.arange(last_codes.shape[1], device=last_codes.device)[None, :]
         is_eoc = last_codes == pattern.eoc
@@ -27,13 +34,12 @@ class DelayRows:
         self.forced = torch.where((depth > 0) & (q <= depth), pattern.eoc, boc)
         self._is_forced = self.forced >= 0  # [B, Q]
         self._forced_id = self.forced.clamp(min=0)
-        # Made once per step (a tensor built per codebook would be a host-to-device copy).
-        self._banned = torch.tensor([[pattern.boc, pattern.boc], [pattern.boc, pattern.eoc]], device=q.device)
+        self._banned = banned_ids(pattern, q.device) if banned is None else banned
 
     @classmethod
     def for_rows(cls, pattern: DelayPattern, num_frames: torch.Tensor, frame_codes: torch.Tensor,
-                 slots: torch.Tensor) -> "DelayRows":
-        return cls(pattern, num_frames[slots], frame_codes[slots])
+                 slots: torch.Tensor, banned: torch.Tensor | None = None) -> "DelayRows":
+        return cls(pattern, num_frames[slots], frame_codes[slots], banned)
 
     def apply(self, logits: torch.Tensor, codebook: int) -> torch.Tensor:
         # Two passes over [B, V] (the copy, the forced rows' fill); the rest touches O(B) entries.
