@@ -39,6 +39,39 @@ class FrameDraws:
         return self._normal(tuple(shape))
 
 
+# What the engine hands a drafter to pick each draft token with: (logits [B, V], draft
+# index i in 0..k-1) -> tokens [B]. Greedy over the ids a frame may hold; a row whose logits
+# are not finite is recorded as a drafter fault (its request ends with reason error).
+DraftChooser = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@attrs.frozen
+class DraftInputs:
+    """What a drafter (`TalkerModel.draft`, speculative decoding) gets from one step.
+
+    Flat over the step's T tokens, like forward():
+      hidden [T, *]: forward()'s output at each token;
+      next_inputs [T, H]: the backbone input of the position after each token (the next
+        prompt row, or the embedding of the token sampled there); meaningful up to each
+        row's last accepted token (`last`), garbage after it;
+      positions [T], token_slots [T]: as forward() got them (-1: inert).
+    Per row (B):
+      last [B]: flat index of the row's last accepted token (its hidden state predicted the
+        newest published token, whose input is next_inputs[last]);
+      chain_positions, chain_slots [B, k - 1]: where the drafter's own later draft steps sit
+        (position of the newest token + i, i = 0..k-2; slot -1 where that is past the context).
+    """
+
+    hidden: torch.Tensor
+    next_inputs: torch.Tensor
+    positions: torch.Tensor
+    token_slots: torch.Tensor
+    last: torch.Tensor
+    chain_positions: torch.Tensor
+    chain_slots: torch.Tensor
+    num_drafts: int
+
+
 @attrs.frozen
 class ColumnSpec:
     """An extra per-slot column a model registers in the slot table: shape is per row."""
@@ -297,6 +330,20 @@ class TalkerModel(abc.ABC):
         noise and the row's previous payload).
         """
         raise NotImplementedError(f"{self.spec.name} has no MTP stage")
+
+    def draft(self, inputs: DraftInputs, choose: DraftChooser) -> torch.Tensor:
+        """Speculative decoding (a single-codebook model with a drafter, e.g. an MTP module):
+        propose the next `inputs.num_drafts` tokens of each row, [B, k] int64, picking each
+        with `choose`. Runs over every token of the step, so a drafter with its own KV cache
+        (DeepSeek-V3's MTP layer) keeps it in step with the backbone; entries written for
+        rejected positions are rewritten before they are read (each step starts at the first
+        unverified position). Draft quality changes speed, never the frames."""
+        raise NotImplementedError(f"{self.spec.name} has no drafter")
+
+    @property
+    def can_draft(self) -> bool:
+        """Whether this model implements `draft` (the engine's `speculate` needs one)."""
+        return type(self).draft is not TalkerModel.draft
 
     @abc.abstractmethod
     def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from models.module_init import materialize, seeded_normal_init
 from models.qwen3_tts.layers import Linear, RMSNorm, rope_tables
 from models.slot_cache import SlotKVCache
-from mtp_fsm.model_api import ModelSpec, PreparedPrompt, TalkerModel
+from mtp_fsm.model_api import DraftChooser, DraftInputs, ModelSpec, PreparedPrompt, TalkerModel
 
 from .config import ByteTokenizer, MtpLMConfig, MtpLMInputs
 from .model import MtpLMRoot
@@ -21,10 +21,11 @@ _EOS_GAIN = 28.0
 
 
 class MtpLMTalker(SlotKVCache, TalkerModel):
-    """A Qwen3 decoder LM whose frame is one token, driven today by the lockstep engine under
-    the `single_codebook` lifecycle (forward / cb0_logits / frame_embed), plus the batched
-    speculative-decoding calls a future engine makes: `embed`, `forward`, `lm_logits`,
-    `mtp_forward`, `mtp_logits` (order and positions: README of this package's __init__).
+    """A Qwen3 decoder LM whose frame is one token, driven by the lockstep engine under the
+    `single_codebook` lifecycle (forward / cb0_logits / frame_embed) or, with the engine's
+    `speculate=k`, the `speculative` one with its MTP layer as the drafter (`draft`); the
+    per-call pieces `embed`, `lm_logits`, `mtp_forward`, `mtp_logits` are public too (order
+    and positions: this package's __init__).
 
     The slot KV cache holds num_hidden_layers + 1 layers: the backbone's, then the MTP
     layer's (its attention runs over the MTP's own states of the same request). Every method
@@ -183,6 +184,22 @@ class MtpLMTalker(SlotKVCache, TalkerModel):
     def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:
         """embed_tokens(codes[:, 0]) [B, H]: a gather, so a row's bits never depend on the batch."""
         return self.embed(codes[:, 0])
+
+    @torch.no_grad()
+    def draft(self, inputs: DraftInputs, choose: DraftChooser) -> torch.Tensor:
+        """The MTP layer as the engine's drafter (vLLM's deepseek_mtp order): over every token
+        of the step (the MTP KV follows the backbone's), then from each row's last accepted
+        token, recycled for drafts 2..k at the positions the engine gives. -> [B, k]."""
+        cache = self._require_cache()
+        m = self.module.mtp(inputs.hidden.to(self.dtype), inputs.next_inputs.to(self.dtype), inputs.positions.long(),
+                            inputs.token_slots.long(), cache, self._cos, self._sin)
+        current = m[inputs.last]
+        drafts = [choose(self.mtp_logits(current), 0)]
+        for i in range(1, inputs.num_drafts):
+            current = self.module.mtp(current, self.embed(drafts[-1]), inputs.chain_positions[:, i - 1].long(),
+                                      inputs.chain_slots[:, i - 1].long(), cache, self._cos, self._sin)
+            drafts.append(choose(self.mtp_logits(current), i))
+        return torch.stack(drafts, dim=1)
 
     # ---------------------------------------------------------------- speculative decoding calls
 

@@ -23,6 +23,7 @@ from .ledger import HostStep, Ledger
 from .pipeline import DevicePipeline, deferred_columns
 from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
+from .speculation import SpeculativeStep, check_speculation, draft_columns
 
 
 # model -> the live engine bound to it: a model's slot state (KV cache) belongs to one engine.
@@ -89,14 +90,23 @@ class LockstepEngine:
         kernels: str = "auto",
         lifecycle: LifecycleSpec | None = None,
         policy: SchedulingPolicy | None = None,
+        speculate: int = 0,
     ) -> None:
+        """speculate=k >= 1: speculative decoding with the model's drafter (`draft`), k drafts
+        verified per decode row under the `speculative` lifecycle; the frames are those of
+        speculate=0 (the plain single-codebook lifecycle), only the steps are fewer."""
+        policy = policy or SchedulingPolicy()
+        check_speculation(model, speculate, lifecycle, policy)
         _bind(model, self)
         self.model = model
         self.spec = model.spec
         self.device = torch.device(device)
-        self.lifecycle = lifecycle or lifecycle_for(self.spec.lifecycle)
+        self.speculate = speculate
+        self.lifecycle = lifecycle or lifecycle_for("speculative" if speculate else self.spec.lifecycle)
         self.compiled = compile_lifecycle(self.lifecycle)
-        if bool(self.lifecycle.stages_of(Phase.MTP)) != self.spec.has_mtp:
+        if self.lifecycle.verify_loop:
+            pass  # its MTP phase is the drafter (check_speculation)
+        elif bool(self.lifecycle.stages_of(Phase.MTP)) != self.spec.has_mtp:
             has = "has an MTP hook" if self.spec.has_mtp else "has no MTP hook"
             raise LifecycleCompileError(
                 f"model {self.spec.name!r} {has} but lifecycle {self.lifecycle.name!r} declares "
@@ -108,10 +118,12 @@ class LockstepEngine:
                                         + "; ".join(params.problems()))
         self._lc = self.compiled.to(self.device)
         self.kernels = select_backend(kernels, self.device)
-        self.table = SlotTable.allocate(max_slots, self.spec, self.device, {**model.slot_columns(), **feed_columns(self.spec), **deferred_columns(self.spec, self.lifecycle)})
+        self.table = SlotTable.allocate(max_slots, self.spec, self.device, {
+            **model.slot_columns(), **feed_columns(self.spec), **deferred_columns(self.spec, self.lifecycle),
+            **draft_columns(self.lifecycle, speculate)})
         self.oracle = Oracle(self.lifecycle)
-        self.ledger = Ledger(model, self.table, self.oracle, self.compiled)
-        self.scheduler = Scheduler(self.ledger, policy or SchedulingPolicy())
+        self.ledger = Ledger(model, self.table, self.oracle, self.compiled, decode_width=1 + speculate)
+        self.scheduler = Scheduler(self.ledger, policy)
         self.feeds = ConditioningFeed(self.ledger, self.kernels, self._lc)
         model.bind_slots(max_slots, self.device, self.table.extra)
         self._forward = _model_call(model, "forward")
@@ -121,9 +133,16 @@ class LockstepEngine:
         self._text_step = _model_call(model, "text_step")
         self._reset_slots = _model_call(model, "reset_slots")
         self._allowed = self._cb0_allowed()
+        speculative = None
+        if self.lifecycle.verify_loop:
+            speculative = SpeculativeStep(
+                self.spec, self.kernels, self.table, self._lc,
+                (self._forward, self._cb0_logits, _model_call(model, "draft"), self._frame_embed, self._text_step),
+                self._allowed, speculate)
         self._pipeline = DevicePipeline(
             self.spec, self.lifecycle, self.kernels, self.table, self._lc,
             (self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step), self._allowed, self.device,
+            speculative,
         )
         self.step_count = 0
 
@@ -332,24 +351,29 @@ class LockstepEngine:
         return [describe_fault(w) for w in words]
 
     def _build_output(self, host: HostStep, packed_np: np.ndarray, packed: torch.Tensor) -> StepOutput:
-        if packed_np[-1, OUT_ERROR] or packed_np[:-1, OUT_ERROR][~host.padding_np].any():
+        per_row = self._pipeline.positions
+        if packed_np[-1, OUT_ERROR] or packed_np[:-1:per_row, OUT_ERROR][~host.padding_np].any():
             bad = np.flatnonzero(self.table.error[: self.table.max_slots].cpu().numpy())
             owners = {r.slot: rid for rid, r in self.ledger.all_records() if r.slot is not None}
             raise EngineInvariantError(
                 "sticky error bits set on slots "
                 + ", ".join(f"{s} (owner {owners.get(s)!r}, bits {int(self.table.error[s])})" for s in bad)
             )
-        rows_np, rows = packed_np[:-1], packed[:-1]
-        valid_rows, ended = self.ledger.observe(host, rows_np, self._explain_errors)
+        # A speculative step packs k + 1 rows per step row (its verify positions, row-major);
+        # the first carries the row's state after the step, every one the frame it published.
+        frames_np, frame_rows = packed_np[:-1], packed[:-1]
+        rows_np, rows = frames_np[::per_row], frame_rows[::per_row]
+        _, ended = self.ledger.observe(host, rows_np, self._explain_errors)
+        valid = np.flatnonzero(frames_np[:, OUT_VALID] == 1)
         # `packed` is this step's own copy: views of it are owned by the output, and the
         # advanced indexing below copies again, so FrameBatch and RowOutput never alias.
-        codes = rows[:, OUT_CODES:]
-        ids = np.array(host.row_ids, dtype=object)[valid_rows] if len(valid_rows) else ()
-        published = codes[valid_rows]
+        codes = frame_rows[:, OUT_CODES:]
+        ids = np.array(host.row_ids, dtype=object)[valid // per_row] if len(valid) else ()
+        published = codes[valid]
         payload = self.spec.payload
         frames = FrameBatch(
             request_ids=tuple(ids),
-            frame_index=rows[valid_rows, OUT_FRAME_INDEX],
+            frame_index=frame_rows[valid, OUT_FRAME_INDEX],
             codes=published,
             payload=None if payload is None else payload.decode(published[:, self.spec.num_codebooks:]),
         )
@@ -357,6 +381,6 @@ class LockstepEngine:
             request_ids=host.row_ids,
             query_start_loc=host.query_start_loc.clone(),
             valid=torch.from_numpy(rows_np[:, OUT_VALID] == 1),
-            codes=codes,
+            codes=rows[:, OUT_CODES:],
         )
         return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens, host.preempted)

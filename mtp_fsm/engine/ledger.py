@@ -47,8 +47,11 @@ class Ledger:
     """Host truth about requests (records, slot ownership) and the per-slot mirror of the
     device, refreshed from each step's single output copy."""
 
-    def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle, compiled: CompiledLifecycle) -> None:
+    def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle, compiled: CompiledLifecycle,
+                 decode_width: int = 1) -> None:
         self.model, self.table, self.oracle, self.compiled = model, table, oracle, compiled
+        # Tokens of a decode row: 1, or 1 + k drafts under speculative decoding.
+        self.decode_width = decode_width
         self.live_states = compiled.states_in(CLASS_LIVE)
         self.terminal_states = compiled.states_in(CLASS_TERMINAL)
         self._live_codes = np.array(sorted(int(s) for s in self.live_states))
@@ -63,7 +66,7 @@ class Ledger:
         self._next_serial = 1
         self._resuming: set[str] = set()
         self.admission = Admission(model, deferred=oracle.spec.deferred)
-        self._batches = RowBatches(table, self.spec)
+        self._batches = RowBatches(table, self.spec, decode_width)
         self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
         # Host mirror of the device, per slot, refreshed from each step's output copy.
         rows = table.max_slots + 1
@@ -191,7 +194,7 @@ class Ledger:
             state = self.slot_state[slots]
             live, terminal = np.isin(state, self._live_codes), np.isin(state, self._terminal_codes)
             wrong = (tokens < 1) | (~live & ~terminal)
-            wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != 1)
+            wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != self.decode_width)
             wrong |= terminal & (tokens != 1)
             bad.update(simple[i] for i in np.flatnonzero(wrong))
             if len(np.unique(slots)) != len(slots):
@@ -227,8 +230,9 @@ class Ledger:
         if state in self.live_states:
             if remaining > 0 and span.num_tokens > remaining:
                 raise PlanError(rid, state.label, f"span of {span.num_tokens} tokens exceeds the {remaining} prompt tokens left")
-            if remaining <= 0 and span.num_tokens != 1:
-                raise PlanError(rid, state.label, f"a decode row takes exactly 1 token, got {span.num_tokens}")
+            if remaining <= 0 and span.num_tokens != self.decode_width:
+                what = "1 token" if self.decode_width == 1 else f"{self.decode_width} tokens (its last and the drafts)"
+                raise PlanError(rid, state.label, f"a decode row takes exactly {what}, got {span.num_tokens}")
         elif state in self.terminal_states:  # a legal overrun (async scheduling): one token, like decode
             if span.num_tokens != 1:
                 raise PlanError(rid, state.label, f"an overrun row of an ended request takes exactly 1 token, "

@@ -34,7 +34,8 @@ class DevicePipeline:
     It holds the engine's parts, never the engine (a cycle would keep a dropped engine, and
     its claim on the model, alive until the garbage collector runs)."""
 
-    def __init__(self, spec: ModelSpec, lifecycle, kernels, table, device_lifecycle, calls, allowed, device) -> None:
+    def __init__(self, spec: ModelSpec, lifecycle, kernels, table, device_lifecycle, calls, allowed, device,
+                 speculative=None) -> None:
         self.spec, self.lifecycle = spec, lifecycle
         self.kernels, self.table, self._lc = kernels, table, device_lifecycle
         self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step = calls
@@ -45,11 +46,19 @@ class DevicePipeline:
         self._eoc = None if spec.delay_pattern is None else spec.delay_pattern.eoc
         self._eos_frame = spec.eos_token_id if Predicate.EOS_FRAME in lifecycle.predicates_read() else None
         self._delay: DelayRows | None = None  # this step's constraints (delay-pattern models)
+        self.speculative = speculative  # a SpeculativeStep (lifecycle with a verify loop), else None
+
+    @property
+    def positions(self) -> int:
+        """Packed output rows per step row: 1, or the verify positions of a speculative step."""
+        return 1 if self.speculative is None else self.speculative.positions
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         width = OUT_CODES + self.spec.frame_width
         if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
-            packed = torch.zeros(batch.num_rows, width, dtype=torch.int64, device=self.device)
+            packed = torch.zeros(batch.num_rows * self.positions, width, dtype=torch.int64, device=self.device)
+        elif self.speculative is not None:
+            packed = self.speculative.run(batch)
         elif self.lifecycle.deferred:
             packed = self._deferred(batch)
         else:

@@ -37,7 +37,7 @@ class SchedulingPolicy:
 
 
 class Scheduler:
-    """vLLM-style: decode rows first (1 token each), then prefill chunks, then resumes of
+    """vLLM-style: decode rows first (1 token each, 1 + k when speculating), then prefill chunks, then resumes of
     preempted requests (oldest first), then new admissions, all under one token budget.
 
     Holds only policy state (pending client aborts and preemptions, preemption order, how
@@ -117,10 +117,11 @@ class Scheduler:
 
         budget, rows = self.policy.token_budget, []
         live = [r for r in running if r.request_id not in gone]
+        width = ledger.decode_width  # 1, or the last token plus the drafts of a speculative engine
         for r in live:  # decode rows first: they carry audio a listener is waiting for
-            if not r.in_prefill and budget > 0:
-                rows.append(Span(r.request_id, 1))
-                budget -= 1
+            if not r.in_prefill and budget >= width:
+                rows.append(Span(r.request_id, width))
+                budget -= width
         for r in live:
             if r.in_prefill and budget > 0:
                 budget -= self._chunk(rows, r.request_id, r.prompt_len - r.num_computed, budget)

@@ -109,8 +109,8 @@ class RowBatches:
     tensors and sampler facts (a request's parameters never change) instead of rebuilding
     them: no tensor construction and no host-to-device copy for an unchanged batch."""
 
-    def __init__(self, table: SlotTable, spec: ModelSpec) -> None:
-        self.table, self.spec = table, spec
+    def __init__(self, table: SlotTable, spec: ModelSpec, decode_width: int = 1) -> None:
+        self.table, self.spec, self.decode_width = table, spec, decode_width
         self._key: tuple | None = None
         self._built: tuple[StepBatch, np.ndarray, torch.Tensor] | None = None
 
@@ -118,13 +118,13 @@ class RowBatches:
         """(StepBatch, slot per row as numpy, query_start_loc on the host)."""
         key = (tuple(None if r is None else (r.slot, r.serial) for r in records), tuple(counts))
         if key != self._key or self._built is None:
-            self._built = build_batch(self.table, self.spec, records, counts)
+            self._built = build_batch(self.table, self.spec, records, counts, self.decode_width)
             self._key = key
         return self._built
 
 
 def build_batch(
-    table: SlotTable, spec: ModelSpec, records: list[RequestRecord | None], counts: list[int],
+    table: SlotTable, spec: ModelSpec, records: list[RequestRecord | None], counts: list[int], decode_width: int = 1,
 ) -> tuple[StepBatch, np.ndarray, torch.Tensor]:
     """The StepBatch for rows in order (None = padding, mapped to the scratch row), the
     slot per row (numpy) and query_start_loc on the host."""
@@ -161,5 +161,6 @@ def build_batch(
         mtp_top_k_min=mtp_k_min,
         cb0_penalty=cb0_penalty,
         cb0_min_frames=min_frames,
+        decode_width=decode_width,
     )
     return batch, np.array(idx, dtype=np.int64), qsl

@@ -71,6 +71,9 @@ class StepBatch:
     # skips that work; True is always correct).
     cb0_penalty: bool = True
     cb0_min_frames: bool = True
+    # Tokens of a decode row: 1, or 1 + k under speculative decoding (the last accepted
+    # token, then k drafts at the following positions).
+    decode_width: int = 1
 
     @property
     def num_rows(self) -> int:

@@ -143,7 +143,8 @@ def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text
     computed = table.num_computed[slot]
     prefill = computed < table.prompt_len[slot]
     # Phase comes from num_computed < prompt_len, never from the span length.
-    bad_span = live & torch.where(prefill, computed + batch.num_scheduled > table.prompt_len[slot], batch.num_scheduled != 1)
+    bad_span = live & torch.where(prefill, computed + batch.num_scheduled > table.prompt_len[slot],
+                                  batch.num_scheduled != batch.decode_width)
     _flag(table, slot, bad_span, ERR_SPAN)
     _flag(table, slot, ~batch.is_padding & ~owned, ERR_IDENTITY)
     frame_index = (table.num_frames[slot] - 1).clamp(min=0)
@@ -153,7 +154,8 @@ def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text
     prompt_input = table.prompt_embeds[slot[rows], positions.clamp(max=table.max_context - 1)]
     inputs = torch.where(prefill[rows, None], prompt_input, decode_input[rows])
     usable = live & ~bad_span
-    token_slots = torch.where(usable[rows], slot[rows], -1)
+    # A draft past the context is inert (its position holds no KV; verification stops before it).
+    token_slots = torch.where(usable[rows] & (positions < table.max_context), slot[rows], -1)
     return inputs, positions, token_slots
 
 
@@ -250,15 +252,19 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
 
 def mtp_scatter(
     table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor, mtp_stop: torch.Tensor | None = None,
+    last: bool = False,
 ) -> None:
     """Stage 5: the MTP-phase stages (frame complete, an error on a bad MTP sample, or the
     stop an MtpResult decided). mtp_faults: the fault words of `mtp_sampler` (int32 [B],
-    0 = ok); mtp_stop: bool [B] from an MtpResult, None when the hook returned codes only."""
+    0 = ok); mtp_stop: bool [B] from an MtpResult, None when the hook returned codes only;
+    last: the step's final stage (speculative: the drafter), which flags rows left in-step."""
     slot = batch.idx_mapping
     owned = _owned(table, batch)
     facts = {Predicate.MTP_FAULT: mtp_faults != 0,
              Predicate.MTP_STOP: torch.zeros_like(owned) if mtp_stop is None else mtp_stop.to(torch.bool)}
     result = run_phase(lc, Phase.MTP, table.state[slot], owned, facts)
+    if last:
+        result = attrs.evolve(result, stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
     _record(table, slot, result)
     _record_fault(table, slot, owned, result, mtp_faults)
 
@@ -274,11 +280,14 @@ def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, eoc: int | None)
 
 def publish_frames(
     table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor,
-    eoc: int | None = None, eos: int | None = None,
+    eoc: int | None = None, eos: int | None = None, accepted: torch.Tensor | None = None, last: bool = True,
 ) -> torch.Tensor:
     """Stage 5b: the publish-phase stages; frame cache, counters and the packed output for
     rows whose fired edge publishes. eoc: the delay pattern's EOC id (None: no pattern);
-    eos: the EOS id whose frames are the last (a lifecycle reading eos_frame; else None).
+    eos: the EOS id whose frames are the last (a lifecycle reading eos_frame; else None);
+    accepted: bool [B], DRAFT_ACCEPTED of a verify position (speculative; None: false);
+    last: no stage runs after this one in the step (rows resting in-step are flagged);
+    a verify position before the drafter passes False and the drafter's stage checks.
 
     Returns the packed per-row output [B, OUT_CODES + Q] (int64) for the single copy.
     """
@@ -289,14 +298,16 @@ def publish_frames(
     frame_facts = delay_facts(frame_index, codes, eoc)
     if eos is not None:
         frame_facts[Predicate.EOS_FRAME] = codes[:, 0] == eos
+    if accepted is not None:
+        frame_facts[Predicate.DRAFT_ACCEPTED] = accepted
 
     def facts(published: torch.Tensor) -> dict:
         frames = frame_index + published.long()
         return {Predicate.LENGTH_REACHED: (frames >= max_frames) | (computed >= table.max_context), **frame_facts}
 
     result = run_phase(lc, Phase.PUBLISH, table.state[slot], owned, facts)
-    # Whatever the stages did, no row may rest in a state that exists only inside a step.
-    result = attrs.evolve(result, stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
+    if last:  # whatever the stages did, no row may rest in a state that exists only inside a step
+        result = attrs.evolve(result, stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
     ready = result.published
     num_frames = frame_index + ready.long()
     table.frame_codes[slot] = torch.where(ready[:, None], codes, table.frame_codes[slot])

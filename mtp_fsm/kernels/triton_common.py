@@ -48,6 +48,7 @@ B_RAMP_DONE = tl.constexpr(int(Predicate.RAMP_DONE))
 B_EOC_FRAME = tl.constexpr(int(Predicate.EOC_FRAME))
 B_ALL_EOC = tl.constexpr(int(Predicate.ALL_EOC))
 B_EOS_FRAME = tl.constexpr(int(Predicate.EOS_FRAME))
+B_DRAFT_ACCEPTED = tl.constexpr(int(Predicate.DRAFT_ACCEPTED))
 
 E_IDENTITY = tl.constexpr(ERR_IDENTITY)
 E_ILLEGAL = tl.constexpr(ERR_ILLEGAL)

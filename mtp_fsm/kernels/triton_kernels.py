@@ -225,7 +225,7 @@ def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text
             slot, _u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, batch.token_rows,
             batch.token_offsets, rows, tokens, table.state, table.serial, table.num_computed, table.prompt_len,
             table.error, lc.state_class, table.prompt_embeds, table.frame_embed, text, text.stride(0) if text.dim() == 2 else 0,
-            inputs, positions, token_slots, table.max_context, h, BLOCK_T=tile, BLOCK_H=block,
+            inputs, positions, token_slots, table.max_context, h, batch.decode_width, BLOCK_T=tile, BLOCK_H=block,
         )
     return inputs, positions, token_slots
 
@@ -308,8 +308,10 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
 
 def mtp_scatter(
     table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, mtp_faults: torch.Tensor, mtp_stop: torch.Tensor | None = None,
+    last: bool = False,
 ) -> None:
-    """The MTP-phase stage chain (a lifecycle without one leaves every row as it is)."""
+    """The MTP-phase stage chain (a lifecycle without one leaves every row as it is); last:
+    the step's final stage, which flags rows left in-step (reference.mtp_scatter)."""
     rows = batch.num_rows
     if rows == 0 or not lc.has_stages(Phase.MTP):
         return
@@ -317,18 +319,19 @@ def mtp_scatter(
     K.mtp_scatter_kernel[(triton.cdiv(rows, ROW_BLOCK),)](
         batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, mtp_faults,
         mtp_faults if mtp_stop is None else _u8(mtp_stop), rows,
-        table.state, table.serial, table.finish_reason, table.error, table.fault, lc.rules, chain,
-        **_rules(lc), **shape, HAS_STOP=mtp_stop is not None, BLOCK=ROW_BLOCK,
+        table.state, table.serial, table.finish_reason, table.error, table.fault, lc.rules, lc.state_class, chain,
+        **_rules(lc), **shape, HAS_STOP=mtp_stop is not None, LAST=last, BLOCK=ROW_BLOCK,
     )
 
 
 def publish_frames(
     table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, codes: torch.Tensor, frame_embeds: torch.Tensor,
-    eoc: int | None = None, eos: int | None = None,
+    eoc: int | None = None, eos: int | None = None, accepted: torch.Tensor | None = None, last: bool = True,
 ) -> torch.Tensor:
     """The publish-phase stage chain; frame cache, counters and the packed output
     [B, OUT_CODES + Q] for rows whose fired rule publishes. eoc: the delay pattern's EOC id;
-    eos: the EOS id whose frames are the last (reference.publish_frames)."""
+    eos: the EOS id whose frames are the last; accepted: a verify position's DRAFT_ACCEPTED;
+    last: flag rows resting in-step (reference.publish_frames)."""
     rows, q, h = batch.num_rows, table.num_codebooks, table.hidden_size
     packed = torch.empty(rows, OUT_CODES + q, dtype=torch.int64, device=table.device)
     if rows == 0:
@@ -345,7 +348,8 @@ def publish_frames(
         lc.state_class, chain, codes, codes.stride(0), codes.stride(1), frame_embeds, frame_embeds.stride(0),
         table.frame_codes, table.frame_log, table.frame_embed, packed, packed.stride(0),
         table.max_context, h, q, table.cb0_counts, table.cb0_counts.stride(0), table.cb0_counts.shape[1],
-        -1 if eoc is None else eoc, -1 if eos is None else eos, **_rules(lc), **shape, BLOCK_R=tile,
-        BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block, DELAY=eoc is not None, EOS_FRAME=eos is not None,
+        -1 if eoc is None else eoc, -1 if eos is None else eos, packed if accepted is None else _u8(accepted),
+        **_rules(lc), **shape, BLOCK_R=tile, BLOCK_Q=triton.next_power_of_2(q), BLOCK_H=block, DELAY=eoc is not None,
+        EOS_FRAME=eos is not None, ACCEPTED=accepted is not None, LAST=last,
     )
     return packed

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .triton_common import (
     B_ALL_EOC, B_CB0_FAULT, B_EOC_FRAME, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE,
-    B_EOS_FRAME, B_RAMP_DONE, C_IN_STEP, C_LIVE, C_VACANT,
+    B_EOS_FRAME, B_RAMP_DONE, B_DRAFT_ACCEPTED, C_IN_STEP, C_LIVE, C_VACANT,
     E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID,
     add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
@@ -122,7 +122,7 @@ def replay_kernel(slots_ptr, pos_ptr, N, fe_ptr, fe_stride, ts_ptr, ts_stride, p
 
 @triton.jit
 def _row_phase(row, rmask, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr,
-               class_ptr):
+               class_ptr, decode_width):
     slot = tl.load(idx_ptr + row, mask=rmask, other=0)
     pad = tl.load(pad_ptr + row, mask=rmask, other=1) != 0
     state = tl.load(state_ptr + slot, mask=rmask, other=0)
@@ -133,14 +133,14 @@ def _row_phase(row, rmask, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, ser
     n = tl.load(nsched_ptr + row, mask=rmask, other=0)
     prefill = computed < plen
     # Phase comes from num_computed < prompt_len, never from the span length.
-    bad_span = live & tl.where(prefill, computed + n > plen, n != 1)
+    bad_span = live & tl.where(prefill, computed + n > plen, n != decode_width)
     return slot, pad, owned, live, prefill, bad_span, computed
 
 
 @triton.jit(do_not_specialize=['B', 'T'])
 def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B, T,
                    state_ptr, serial_ptr, computed_ptr, plen_ptr, error_ptr, class_ptr,
-                   prompt_ptr, fembed_ptr, text_ptr, text_stride, out_ptr, pos_ptr, tslot_ptr, C, H,
+                   prompt_ptr, fembed_ptr, text_ptr, text_stride, out_ptr, pos_ptr, tslot_ptr, C, H, decode_width,
                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Grid (tiles of max(T, B), H blocks): index p flags row p (span / identity) and
     builds token p's input (prompt row, or frame_embed + text step)."""
@@ -149,7 +149,8 @@ def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B,
     if hb == 0:
         rm = p < B
         slot, pad, owned, live, prefill, bad_span, computed = _row_phase(
-            p, rm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr, class_ptr)
+            p, rm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr, class_ptr,
+            decode_width)
         bits = tl.where(bad_span, E_SPAN, 0) | tl.where(rm & (~pad) & (~owned), E_IDENTITY, 0)
         flag = rm & (bits != 0)
         err = tl.load(error_ptr + slot, mask=flag, other=0)
@@ -157,11 +158,13 @@ def compose_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, rows_ptr, offs_ptr, B,
     tm = p < T
     row = tl.load(rows_ptr + p, mask=tm, other=0)
     slot, pad, owned, live, prefill, bad_span, computed = _row_phase(
-        row, tm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr, class_ptr)
+        row, tm, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr, class_ptr,
+        decode_width)
     pos = computed + tl.load(offs_ptr + p, mask=tm, other=0)
     if hb == 0:
         tl.store(pos_ptr + p, pos, mask=tm)
-        tl.store(tslot_ptr + p, tl.where(live & ~bad_span, slot, -1), mask=tm)
+        # A draft past the context is inert (its position holds no KV; verification stops before it).
+        tl.store(tslot_ptr + p, tl.where(live & ~bad_span & (pos < C), slot, -1), mask=tm)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m = tm[:, None] & (h < H)[None, :]
     at = slot * C + tl.minimum(pos, C - 1)
@@ -254,10 +257,11 @@ def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp
 
 @triton.jit(do_not_specialize=['B'])
 def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, state_ptr, serial_ptr, reason_ptr, error_ptr,
-                       fault_ptr, rules_ptr, chain_ptr, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr,
-                       WIDTH: tl.constexpr, HAS_STOP: tl.constexpr, BLOCK: tl.constexpr):
+                       fault_ptr, rules_ptr, class_ptr, chain_ptr, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr,
+                       WIDTH: tl.constexpr, HAS_STOP: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr):
     """The MTP-phase stage chain on the predicates MTP_FAULT (a row's fault word != 0) and
-    MTP_STOP (the hook's stop flags, when it returned any), then the fault column."""
+    MTP_STOP (the hook's stop flags, when it returned any), then the fault column. LAST: the
+    step's final stage (speculative: the drafter), which flags rows left in an in-step state."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < B
     slot = tl.load(idx_ptr + r, mask=m, other=0)
@@ -269,6 +273,8 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, sta
     if HAS_STOP:
         word = word | predicate_bit(tl.load(stop_ptr + r, mask=m, other=0) != 0, B_MTP_STOP)
     new, why, published, stuck = run_chain(rules_ptr, chain_ptr, state, word, owned, NS, PLANE, STAGES, WIDTH)
+    if LAST:
+        stuck = stuck | (owned & in_class(class_ptr, new, C_IN_STEP, m))
     w = m & ~pad
     reason = tl.load(reason_ptr + slot, mask=w, other=0)
     err = tl.load(error_ptr + slot, mask=w, other=0)
@@ -282,9 +288,9 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, sta
 def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_ptr, maxf_ptr, computed_ptr,
                    reason_ptr, error_ptr, rules_ptr, class_ptr, chain_ptr, codes_ptr, codes_s0, codes_s1, fe_ptr,
                    fe_stride, fcodes_ptr, flog_ptr, fembed_ptr, out_ptr, out_stride, C, H, Q, counts_ptr, counts_stride, V0,
-                   EOC, EOS, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, DELAY: tl.constexpr,
-                   EOS_FRAME: tl.constexpr):
+                   EOC, EOS, accepted_ptr, NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr,
+                   WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+                   DELAY: tl.constexpr, EOS_FRAME: tl.constexpr, ACCEPTED: tl.constexpr, LAST: tl.constexpr):
     """A tile of rows: the publish-phase stage chain (LENGTH_REACHED per stage, counting the
     frame a previous stage published; with DELAY, the delay-pattern facts of the frame, EOC
     its id), then frame cache / log / embedding and counters for rows whose fired rule
@@ -314,13 +320,15 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
                       | predicate_bit(all_eoc, B_ALL_EOC))
     if EOS_FRAME:  # the stop head's: the frame's CB0 is the EOS id
         frame_word = frame_word | predicate_bit(cb0 == EOS, B_EOS_FRAME)
+    if ACCEPTED:  # speculative: the verify position's draft matched (computed by the caller)
+        frame_word = frame_word | predicate_bit(tl.load(accepted_ptr + row, mask=rm, other=0) != 0, B_DRAFT_ACCEPTED)
     for s in tl.static_range(STAGES):
         length = ((frame_index + ready.to(tl.int64)) >= max_frames) | full
         word = predicate_bit(length, B_LENGTH_REACHED) | frame_word
         state, why, ready, stuck = run_stage(rules_ptr, chain_ptr, s, state, word,
                                              owned, why, ready, stuck, NS, PLANE, WIDTH)
-    # Whatever the stages did, no row may rest in a state that exists only inside a step.
-    stuck = stuck | (owned & in_class(class_ptr, state, C_IN_STEP, rm))
+    if LAST:  # whatever the stages did, no row may rest in a state that exists only inside a step
+        stuck = stuck | (owned & in_class(class_ptr, state, C_IN_STEP, rm))
     num_frames = frame_index + ready.to(tl.int64)
     reason = tl.load(reason_ptr + slot, mask=rm, other=0)
     reason = tl.where(why != 0, why, reason)

@@ -199,7 +199,29 @@ def _check_stages(spec: LifecycleSpec, edges: dict) -> None:
     order = sorted(spec.stages, key=lambda s: spec.phase_order.index(s.phase))
     if [s.name for s in order] != [s.name for s in spec.stages]:
         raise LifecycleCompileError(f"{spec.name}: stages must be declared in pipeline phase order")
-    for stage in spec.stages:
+    if spec.verify_loop:
+        # The SAMPLE and PUBLISH stages repeat per verify position: walk them until the
+        # states a row can be in stop growing, then the stages after the loop once.
+        looped = [s for s in spec.stages if s.phase in (Phase.SAMPLE, Phase.PUBLISH)]
+        if spec.phase_order[:2] != (Phase.SAMPLE, Phase.PUBLISH):
+            raise LifecycleCompileError(f"{spec.name}: a verify loop runs phases sample, publish, then mtp")
+        possible = _walk(spec, edges, looped, possible)
+        while not (after := _walk(spec, edges, looped, possible)) <= possible:
+            possible |= after  # a row settles at any position: every count of passes is possible
+        possible = _walk(spec, edges, [s for s in spec.stages if s.phase is Phase.MTP], possible)
+    else:
+        possible = _walk(spec, edges, spec.stages, possible)
+    stuck = possible & classes.in_step
+    if stuck:
+        raise LifecycleCompileError(
+            f"{spec.name}: a row can end a step in in-step state(s) {sorted(s.label for s in stuck)}"
+        )
+
+
+def _walk(spec: LifecycleSpec, edges: dict, stages, possible: set) -> set:
+    """The states a row can be in after `stages`, from `possible`; refuses two firing
+    triggers in one stage and a total stage that could leave a row unmoved."""
+    for stage in stages:
         if len(set(stage.triggers)) != len(stage.triggers):
             raise LifecycleCompileError(f"{spec.name}: stage {stage.name!r} names a trigger twice")
         moved, reached = set(), set()
@@ -225,11 +247,7 @@ def _check_stages(spec: LifecycleSpec, edges: dict) -> None:
                 )
             reached |= {t.dest for t in entries}
         possible = (possible - moved) | reached
-    stuck = possible & classes.in_step
-    if stuck:
-        raise LifecycleCompileError(
-            f"{spec.name}: a row can end a step in in-step state(s) {sorted(s.label for s in stuck)}"
-        )
+    return possible
 
 
 def _check_phase(spec: LifecycleSpec, stage: Stage, t: Transition, state: State) -> None:

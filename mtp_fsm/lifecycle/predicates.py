@@ -13,7 +13,7 @@ class Phase(enum.IntEnum):
     """Points of the device pipeline where stages run (in this order within a step)."""
 
     SAMPLE = 0  # after the backbone and CB0 sampling
-    MTP = 1  # after the MTP hook filled codebooks 1..Q-1
+    MTP = 1  # after the MTP hook filled codebooks 1..Q-1 (speculative: after the drafter proposed)
     PUBLISH = 2  # at frame publication
 
     @property
@@ -40,6 +40,9 @@ class Predicate(enum.IntEnum):
     ALL_EOC = 8  # every codebook is EOC: the wind-down is complete
     # Stop head (VoxCPM2): the frame this step publishes carries CB0 == the model's EOS id.
     EOS_FRAME = 9
+    # Speculative: the token the target sampled at this verify position equals the draft
+    # for it (false at the row's last position, which has no draft left to check).
+    DRAFT_ACCEPTED = 10
 
     @property
     def label(self) -> str:
@@ -62,6 +65,7 @@ PREDICATE_PHASE: dict[Predicate, Phase] = {
     Predicate.EOC_FRAME: Phase.PUBLISH,
     Predicate.ALL_EOC: Phase.PUBLISH,
     Predicate.EOS_FRAME: Phase.PUBLISH,
+    Predicate.DRAFT_ACCEPTED: Phase.PUBLISH,
 }
 
 

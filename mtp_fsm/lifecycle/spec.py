@@ -26,6 +26,8 @@ class State(enum.IntEnum):
     PENDING = 10  # deferred schedule: CB0 sampled, hidden cached; the frame's MTP runs first thing next step
     RAMP_UP = 11  # delay pattern: decoding, and the next frame still has codebooks forced to BOC
     WIND_DOWN = 12  # delay pattern: codebook 0 emitted EOC; the next frames lock one more codebook to EOC each
+    VERIFYING = 13  # speculative, within a step: every draft so far matched; the next verify position is sampled
+    DRAFTING = 14  # speculative, within a step: verification settled (a draft missed, or none was left); drafts next
 
     @property
     def label(self) -> str:
@@ -56,6 +58,10 @@ class Trigger(enum.IntEnum):
     WIND = 18  # delay pattern: a frame whose codebook 0 is EOC was published (wind-down)
     WOUND_DOWN = 19  # delay pattern: the all-EOC frame that ends the wind-down was published: reason eos
     LAST_FRAME = 20  # stop head: the published frame's CB0 was the stop (EOS) class: it was the last, reason eos
+    ACCEPT = 21  # speculative: the target's token equals the draft: published, the next position is verified
+    BONUS = 22  # speculative: the target's token where the draft missed (or after the last draft): published, settles
+    REJECT = 23  # speculative: a verify position past the settling one: its draft is rejected, nothing computed is kept
+    DRAFT = 24  # speculative: the drafter proposed the next step's tokens from the accepted ones
 
     @property
     def label(self) -> str:
@@ -130,6 +136,9 @@ class LifecycleSpec:
     # a frame's MTP runs at the start of the step after its CB0 was sampled, from the hidden
     # state cached then, and the frame is published before the step's own forward.
     phase_order: tuple[Phase, ...] = (Phase.SAMPLE, Phase.MTP, Phase.PUBLISH)
+    # Speculative decoding: the SAMPLE and PUBLISH phases run once per verify position of a
+    # row (its last accepted token, then each draft), then the MTP phase (the drafter) once.
+    verify_loop: bool = False
 
     @property
     def deferred(self) -> bool:

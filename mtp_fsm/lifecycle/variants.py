@@ -220,10 +220,56 @@ def stop_head_lifecycle() -> LifecycleSpec:
     )
 
 
+def speculative_lifecycle() -> LifecycleSpec:
+    """Speculative decoding with a drafter (DeepSeek-V3 / MiMo style MTP module): a decode row
+    holds the last accepted token and k drafts; one forward verifies them all, and the
+    sample and publish stages run once per verify position. The target's token at each
+    position is sampled exactly as plain decoding would (counter-based noise keyed by the
+    frame index), so a draft is accepted iff it equals that token: the frames are the same
+    as without speculation for any k and any draft quality.
+
+    A position whose draft matches publishes and goes on verifying (`accept`); the first
+    whose draft misses, or the last (no draft left), publishes the target's own token and
+    settles (`bonus`); later positions are rejected (`reject`: nothing they computed is
+    kept, num_computed stops at the last accepted token, which is the rollback). Then the
+    drafter proposes the next step's k tokens from the accepted ones (`draft`, MTP phase)."""
+    verifying, drafting, bad = _S.VERIFYING, _S.DRAFTING, "cb0_fault"
+    transitions = [
+        *_host_edges(),
+        Transition(_T.PREFILL, _IN_PROMPT, _S.PREFILLING, Guard(unless=("prompt_done",))),
+        Transition(_T.SAMPLE, _IN_PROMPT, _S.FRAME_READY, Guard(when=("prompt_done",), unless=(bad,))),
+        Transition(_T.SAMPLE, (_S.DECODING, verifying), _S.FRAME_READY, Guard(unless=(bad,))),
+        Transition(_T.FAIL, _IN_PROMPT, _S.ABORTED, Guard(when=("prompt_done", bad)), FinishReason.ERROR),
+        Transition(_T.FAIL, (_S.DECODING, verifying), _S.ABORTED, Guard(when=(bad,)), FinishReason.ERROR),
+        Transition(_T.REJECT, (drafting,), drafting, ALWAYS),
+        Transition(_T.OVERRUN, (_S.FINISHED,), _S.FINISHED, ALWAYS),
+        Transition(_T.OVERRUN, (_S.ABORTED,), _S.ABORTED, ALWAYS),
+        Transition(_T.EOS, (_S.FRAME_READY,), _S.FINISHED, Guard(when=("eos_sampled",)), FinishReason.EOS),
+        Transition(_T.ACCEPT, (_S.FRAME_READY,), verifying, Guard(when=("draft_accepted",)), publishes=True),
+        Transition(_T.BONUS, (_S.FRAME_READY,), drafting, Guard(unless=("draft_accepted",)), publishes=True),
+        Transition(_T.FINISH_LENGTH, (verifying, drafting), _S.FINISHED, Guard(when=("length_reached",)),
+                   FinishReason.LENGTH),
+        # The drafter's logits were not finite: loud, like any bad sample (reason error).
+        Transition(_T.DRAFT, (verifying, drafting), _S.DECODING, Guard(unless=("mtp_fault",))),
+        Transition(_T.MTP_FAIL, (verifying, drafting), _S.ABORTED, Guard(when=("mtp_fault",)), FinishReason.ERROR),
+    ]
+    stages = (Stage("intake", Phase.SAMPLE, (_T.PREFILL, _T.SAMPLE, _T.FAIL, _T.REJECT, _T.OVERRUN), total=True),
+              _EOS_STAGE, Stage("verify", Phase.PUBLISH, (_T.ACCEPT, _T.BONUS)),
+              Stage("length", Phase.PUBLISH, (_T.FINISH_LENGTH,)),
+              Stage("draft", Phase.MTP, (_T.DRAFT, _T.MTP_FAIL)))
+    classes = attrs.evolve(CLASSES, live=CLASSES.live | {verifying}, in_step=CLASSES.in_step | {drafting})
+    return LifecycleSpec(
+        "speculative", "Speculative decoding: draft, verify, accept or reject (DeepSeek-V3 / MiMo MTP drafter)",
+        tuple(transitions), stages, classes, HOST_TRIGGERS,
+        phase_order=(Phase.SAMPLE, Phase.PUBLISH, Phase.MTP), verify_loop=True,
+    )
+
+
 VARIANTS = {
     "mtp": mtp_lifecycle, "single_codebook": single_codebook_lifecycle, "mtp_stop": mtp_stop_lifecycle,
     "conditioned": conditioned_lifecycle, "mtp_stop_deferred": mtp_stop_deferred_lifecycle,
     "delay_pattern": delay_pattern_lifecycle, "stop_head": stop_head_lifecycle,
+    "speculative": speculative_lifecycle,
 }
 
 

@@ -10,6 +10,8 @@ per-row reference) returns one fault code per row:
   -inf, so no id is left to sample;
 - FAULT_PAYLOAD (4): not a sampler's: the continuous payload an MTP hook returned (a model
   with ModelSpec.payload) holds a NaN or an infinity.
+- FAULT_DRAFT (5): not a sampler's: a drafter's logits (speculative decoding) held a NaN or
+  +inf, or left no allowed id; the word's codebook field is the draft's index.
 
 A -inf logit is a mask (the id is never sampled, like an id outside `allowed`), not a
 fault. The checks are made on the float32 logits (a float64 logit beyond the float32
@@ -27,6 +29,7 @@ FAULT_NAN = 1
 FAULT_POSINF = 2
 FAULT_EMPTY = 3
 FAULT_PAYLOAD = 4
+FAULT_DRAFT = 5
 
 FAULT_CODEBOOK_SHIFT = 4
 FAULT_KIND_MASK = (1 << FAULT_CODEBOOK_SHIFT) - 1
@@ -55,6 +58,8 @@ def describe_fault(word: int) -> str:
         return "ended in error by the lifecycle, no sampling fault recorded"
     if kind == FAULT_PAYLOAD:
         return "MTP stage: the frame payload holds a NaN or an infinity"
+    if kind == FAULT_DRAFT:
+        return f"drafter, draft {codebook}: a logit is NaN or +inf, or no allowed id is left"
     where = "CB0 sampling" if codebook == 0 else f"MTP sampling, codebook {codebook}"
     what = {
         FAULT_NAN: "a logit is NaN",

@@ -1,0 +1,164 @@
+"""A speculative step on the device: one forward over each decode row's last token and its
+drafts, the sample and publish stages once per verify position, then the drafter."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ..errors import ModelBindingError
+from ..kernels.contract import OUT_ERROR, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, StepBatch
+from ..lifecycle import CLASS_LIVE
+from ..model_api import ColumnSpec, DraftInputs
+from ..sampling import row_faults
+from ..sampling.faults import FAULT_DRAFT, fault_word
+
+# Engine-owned slot column: the k tokens the drafter proposed for the row's next step (reset
+# with the row at admission; a resumed request re-drafts from its replayed prompt).
+DRAFT_TOKENS = "draft_tokens"
+
+
+MAX_DRAFTS = 16
+
+
+def check_speculation(model, speculate: int, lifecycle, policy) -> None:
+    """Refuse (ModelBindingError) an engine that cannot run `speculate` drafts per step."""
+    if type(speculate) is not int or not 0 <= speculate <= MAX_DRAFTS:
+        raise ModelBindingError(f"speculate must be an int in [0, {MAX_DRAFTS}], got {speculate!r}")
+    if lifecycle is not None and speculate and not lifecycle.verify_loop:
+        raise ModelBindingError(f"speculate={speculate} needs a lifecycle with a verify loop ('speculative'), "
+                                f"got {lifecycle.name!r}")
+    if not speculate and (lifecycle is None or not lifecycle.verify_loop):
+        return
+    spec, problems = model.spec, []
+    if speculate and not model.can_draft:
+        problems.append("it has no drafter (TalkerModel.draft)")
+    if spec.has_mtp or spec.num_codebooks != 1 or spec.delay_pattern is not None:
+        problems.append("a verified frame must be one token (single codebook, no MTP stage, payload or delay pattern)")
+    if spec.has_feed:
+        problems.append("drafts cannot read conditioning rows that have not arrived (a model with a feed)")
+    if policy.token_budget < 1 + speculate:
+        problems.append(f"the token budget {policy.token_budget} cannot hold one verify row of {1 + speculate} tokens")
+    if problems:
+        raise ModelBindingError(f"model {spec.name!r} cannot decode speculatively (speculate={speculate}): "
+                                + "; ".join(problems))
+
+
+def draft_columns(lifecycle, num_drafts: int) -> dict[str, ColumnSpec]:
+    if not lifecycle.verify_loop or num_drafts == 0:
+        return {}
+    return {DRAFT_TOKENS: ColumnSpec((num_drafts,), torch.int64)}
+
+
+def position_batch(batch: StepBatch, verify: torch.Tensor, j: int) -> StepBatch:
+    """The rows as verify position j's stages see them: a verify row has one token there
+    (its sample position is its j-th token); at j > 0 every other row is padding (a prefill
+    row samples once, at its last token, in position 0)."""
+    starts = batch.query_start_loc[:-1]
+    if j == 0:
+        return attrs.evolve(batch, num_scheduled=torch.where(verify, 1, batch.num_scheduled),
+                            last_token=torch.where(verify, starts, batch.last_token))
+    return attrs.evolve(batch, is_padding=batch.is_padding | ~verify, num_scheduled=torch.ones_like(batch.num_scheduled),
+                        last_token=torch.where(verify, starts + j, batch.last_token))
+
+
+class SpeculativeStep:
+    """The device pipeline of the `speculative` lifecycle (see its docstring) with k drafts.
+
+    Holds the engine's parts, never the engine (DevicePipeline's reason)."""
+
+    def __init__(self, spec, kernels, table, device_lifecycle, calls, allowed, num_drafts: int) -> None:
+        self.spec, self.kernels, self.table, self._lc = spec, kernels, table, device_lifecycle
+        self._forward, self._cb0_logits, self._draft, self._frame_embed, self._text_step = calls
+        self._allowed, self.num_drafts = allowed, num_drafts
+
+    @property
+    def positions(self) -> int:
+        """Verify positions per row: packed output rows per step row."""
+        return self.num_drafts + 1
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Returns the packed output [B * (k + 1), C], row-major: row b's verify positions in
+        order, each holding the frame published there (if any); every position carries the
+        row's state, reason, error and frame count after the whole step."""
+        k, kern, table, lc = self.num_drafts, self.kernels, self.table, self._lc
+        slot = batch.idx_mapping
+        owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
+        start = table.num_computed[slot].clone()
+        live = (lc.state_class[table.state[slot].long()] & CLASS_LIVE) != 0
+        verify = owned & live & (start >= table.prompt_len[slot]) & (batch.num_scheduled == k + 1)
+        drafts = table.extra[DRAFT_TOKENS][slot] if k else None
+        inputs, positions, token_slots = kern.compose_inputs(table, lc, batch, self._text_step)
+        if k:
+            inputs = self._with_drafts(batch, verify, drafts, inputs)
+        hidden = self._forward(inputs, positions, token_slots)
+        packed = []
+        for j in range(k + 1):
+            sub = position_batch(batch, verify, j)
+            tokens = kern.sample_cb0(table, lc, sub, self._cb0_logits(hidden[sub.last_token]),
+                                     eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
+            accepted = (tokens == drafts[:, j]) if j < k else torch.zeros_like(owned)
+            codes = tokens[:, None]
+            packed.append(kern.publish_frames(table, lc, sub, codes, self._frame_embed(codes),
+                                              accepted=accepted.contiguous(), last=False))
+        self._propose(batch, owned, start, inputs, hidden, positions, token_slots)
+        out = torch.stack(packed, dim=1)
+        for column, values in ((OUT_STATE, table.state), (OUT_REASON, table.finish_reason),
+                               (OUT_ERROR, table.error), (OUT_NUM_FRAMES, table.num_frames)):
+            out[:, :, column] = values[slot].to(out.dtype)[:, None]
+        return out.reshape(-1, out.shape[-1])
+
+    def _with_drafts(self, batch: StepBatch, verify: torch.Tensor, drafts: torch.Tensor,
+                     inputs: torch.Tensor) -> torch.Tensor:
+        """A verify row's token j >= 1 carries draft j - 1, embedded as the frame it would be
+        (frame index num_frames - 1 + j, with its text step)."""
+        table, rows, offsets = self.table, batch.token_rows, batch.token_offsets
+        token_slot = batch.idx_mapping[rows]
+        drafted = verify[rows] & (offsets >= 1)
+        ids = drafts[rows, (offsets - 1).clamp(0, self.num_drafts - 1)]
+        frame_index = (table.num_frames[token_slot] - 1 + offsets).clamp(min=0)
+        embeds = self._frame_embed(ids[:, None]) + self._text_step(table.extra, token_slot, frame_index).to(inputs.dtype)
+        return torch.where(drafted[:, None], embeds.to(inputs.dtype), inputs)
+
+    def _propose(self, batch: StepBatch, owned: torch.Tensor, start: torch.Tensor, inputs: torch.Tensor,
+                 hidden: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """The drafter over the step's tokens, from each row's last accepted one; then the
+        draft stage (the step's last: rows left in-step are flagged)."""
+        k, table, slot = self.num_drafts, self.table, batch.idx_mapping
+        faults = torch.zeros(slot.shape, dtype=torch.int32, device=slot.device)
+        if k:
+            end = table.num_computed[slot]
+            advanced = end - start  # verify rows: accepted tokens; prefill rows: the chunk
+            starts = batch.query_start_loc[:-1]
+            last = (starts + advanced - 1).clamp(min=0)
+            # The input after each row's newest computed token: the next prompt row, or the
+            # newest published frame (frame_embed + its text step, as the next step composes it).
+            pending = end < table.prompt_len[slot]
+            prompt = table.prompt_embeds[slot, end.clamp(max=table.max_context - 1)]
+            frame_index = (table.num_frames[slot] - 1).clamp(min=0)
+            published = table.frame_embed[slot] + self._text_step(table.extra, slot, frame_index).to(inputs.dtype)
+            follow = torch.where(pending[:, None], prompt.to(inputs.dtype), published.to(inputs.dtype))
+            tokens = inputs.shape[0]
+            shifted = torch.cat([inputs[1:], inputs.new_zeros(2, inputs.shape[1])])  # row `tokens` is a sink
+            has = owned & (advanced > 0)
+            shifted[torch.where(has, last, tokens)] = follow
+            chain = end[:, None] + torch.arange(k - 1, device=end.device)[None, :]
+            chain_slots = torch.where(has[:, None] & (chain < table.max_context), slot[:, None], -1)
+            draft_inputs = DraftInputs(hidden, shifted[:tokens], positions, token_slots, last.clamp(max=max(tokens - 1, 0)),
+                                       chain.clamp(max=table.max_context - 1), chain_slots, k)
+            proposed = self._draft(draft_inputs, self._chooser(faults)).to(torch.int64)
+            column = table.extra[DRAFT_TOKENS]
+            column[slot] = torch.where(has[:, None], proposed, column[slot])
+            faults = torch.where(has, faults, 0)
+        self.kernels.mtp_scatter(table, self._lc, batch, faults, None, last=True)
+
+    def _chooser(self, faults: torch.Tensor):
+        allowed = self._allowed
+
+        def choose(logits: torch.Tensor, index: int) -> torch.Tensor:
+            clean, kind = row_faults(logits, allowed)
+            first = (kind != 0) & (faults == 0)
+            faults.copy_(torch.where(first, fault_word(FAULT_DRAFT, index), faults))
+            return clean.argmax(dim=-1)
+
+        return choose
