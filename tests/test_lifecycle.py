@@ -31,12 +31,13 @@ def declared(spec: LifecycleSpec) -> dict[tuple[Trigger, State], State]:
 
 
 def test_state_and_trigger_codes_are_stable():
-    assert [int(s) for s in State] == list(range(13))
-    assert [int(t) for t in Trigger] == list(range(21))
+    assert [int(s) for s in State] == list(range(15))
+    assert [int(t) for t in Trigger] == list(range(25))
     assert State.FREE == 0 and State.WAITING == 1 and State.FINISHED == 6 and State.PREEMPTED == 8
     assert State.STARVED == 9 and State.PENDING == 10 and Trigger.MTP_STOP == 14 and Trigger.STARVE == 15 and Trigger.FEED == 16
     assert State.SAMPLED.label == "sampled" and Trigger.FINISH_LENGTH.label == "finish_length"
     assert State.RAMP_UP == 11 and State.WIND_DOWN == 12 and Trigger.RAMP == 17 and Trigger.WOUND_DOWN == 19
+    assert State.VERIFYING == 13 and State.DRAFTING == 14 and Trigger.ACCEPT == 21 and Trigger.DRAFT == 24
 
 
 @pytest.mark.parametrize("spec", [f() for f in VARIANTS.values()], ids=list(VARIANTS))
@@ -47,9 +48,13 @@ def test_state_classes_compile_to_the_declared_sets(spec):
     pending = {State.PENDING} if spec.deferred else set()
     # The delay pattern's ramp-up and wind-down are decoding states (each publishes a frame a step).
     phases = {s for s in (State.RAMP_UP, State.WIND_DOWN) if s in spec.states}
-    assert compiled.states_in(CLASS_LIVE) == {State.WAITING, State.PREFILLING, State.DECODING, *pending, *phases}
+    # Speculative: a row still verifying computes its next position; settled ones wait for drafts.
+    verifying, drafting = ({State.VERIFYING}, {State.DRAFTING}) if spec.verify_loop else (set(), set())
+    assert compiled.states_in(CLASS_LIVE) == {State.WAITING, State.PREFILLING, State.DECODING, *pending, *phases,
+                                              *verifying}
     assert compiled.states_in(CLASS_TERMINAL) == {State.FINISHED, State.ABORTED}
-    assert compiled.states_in(CLASS_IN_STEP) == ({State.FRAME_READY} if spec.deferred else {State.SAMPLED, State.FRAME_READY})
+    assert compiled.states_in(CLASS_IN_STEP) == ({State.FRAME_READY} if spec.deferred
+                                                 else {State.SAMPLED, State.FRAME_READY, *drafting})
     assert HOST_TRIGGERS == {Trigger.ADMIT, Trigger.PREEMPT, Trigger.RESUME, Trigger.ABORT, Trigger.RELEASE}
 
 
@@ -91,8 +96,12 @@ def test_common_shape_of_both_variants():
         d = declared(spec)
         assert d[(Trigger.ADMIT, State.FREE)] is State.WAITING
         assert d[(Trigger.PREFILL, State.WAITING)] is State.PREFILLING
-        assert d[(Trigger.PUBLISH, State.FRAME_READY)] is State.DECODING
-        assert d[(Trigger.FINISH_LENGTH, State.DECODING)] is State.FINISHED
+        if spec.verify_loop:  # publication is per verify position; length ends a verifying or settled row
+            assert d[(Trigger.BONUS, State.FRAME_READY)] is State.DRAFTING
+            assert d[(Trigger.FINISH_LENGTH, State.DRAFTING)] is State.FINISHED
+        else:
+            assert d[(Trigger.PUBLISH, State.FRAME_READY)] is State.DECODING
+            assert d[(Trigger.FINISH_LENGTH, State.DECODING)] is State.FINISHED
         assert d[(Trigger.OVERRUN, State.FINISHED)] is State.FINISHED
         assert d[(Trigger.OVERRUN, State.ABORTED)] is State.ABORTED
         assert d[(Trigger.RESUME, State.PREEMPTED)] is State.WAITING
@@ -135,9 +144,13 @@ def test_error_edges_are_declared_only_where_they_can_happen(spec):
     resting = {s for s in (State.STARVED, State.PENDING) if s in spec.states}
     phases = {s for s in (State.RAMP_UP, State.WIND_DOWN) if s in spec.states}  # the delay pattern's decoding
     assert {s for (t, s) in d if t is Trigger.ABORT} == {*LIVE_STATES, *phases, State.PREEMPTED, *resting}
-    assert {s for (t, s) in d if t is Trigger.FAIL} == {*LIVE_STATES, *phases}
+    # Speculative: a verify position past the first samples from `verifying` (never rests there).
+    verifying = {State.VERIFYING} if spec.verify_loop else set()
+    assert {s for (t, s) in d if t is Trigger.FAIL} == {*LIVE_STATES, *phases, *verifying}
     has_mtp = bool(spec.stages_of(Phase.MTP))
     mtp_source = {State.PENDING} if spec.deferred else {State.SAMPLED}
+    if spec.verify_loop:  # the drafter runs once verification settled (or ran out of drafts)
+        mtp_source = {State.VERIFYING, State.DRAFTING}
     assert {s for (t, s) in d if t is Trigger.MTP_FAIL} == (mtp_source if has_mtp else set())
 
 
@@ -161,7 +174,7 @@ def test_trigger_outside_the_variant_is_a_lifecycle_error():
 
 def test_lifecycle_for_and_variants():
     assert set(VARIANTS) == {"mtp", "single_codebook", "mtp_stop", "conditioned", "mtp_stop_deferred", "delay_pattern",
-                             "stop_head"}
+                             "stop_head", "speculative"}
     for name in VARIANTS:
         assert lifecycle_for(name).name == name
     with pytest.raises(ValueError, match="unknown lifecycle variant 'higgs'"):

@@ -23,7 +23,7 @@ from .ledger import HostStep, Ledger
 from .pipeline import DevicePipeline, deferred_columns
 from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
-from .speculation import SpeculativeStep, check_speculation, draft_columns
+from .speculation import SpeculationStats, SpeculativeStep, check_speculation, draft_columns
 
 
 # model -> the live engine bound to it: a model's slot state (KV cache) belongs to one engine.
@@ -145,6 +145,8 @@ class LockstepEngine:
             speculative,
         )
         self.step_count = 0
+        # Speculative engines: drafts proposed / accepted, frames per verify row.
+        self.speculation = SpeculationStats(speculate) if speculative is not None else None
 
     def _cb0_allowed(self) -> torch.Tensor:
         # CB0 may be any codec id or the codec EOS; other specials of the backbone head are not frames.
@@ -364,7 +366,10 @@ class LockstepEngine:
         frames_np, frame_rows = packed_np[:-1], packed[:-1]
         rows_np, rows = frames_np[::per_row], frame_rows[::per_row]
         _, ended = self.ledger.observe(host, rows_np, self._explain_errors)
-        valid = np.flatnonzero(frames_np[:, OUT_VALID] == 1)
+        is_frame = frames_np[:, OUT_VALID] == 1
+        valid = np.flatnonzero(is_frame)
+        if self.speculation is not None and host.verify_np is not None:
+            self.speculation.record(host.verify_np, is_frame.reshape(-1, per_row))
         # `packed` is this step's own copy: views of it are owned by the output, and the
         # advanced indexing below copies again, so FrameBatch and RowOutput never alias.
         codes = frame_rows[:, OUT_CODES:]

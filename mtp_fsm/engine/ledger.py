@@ -41,6 +41,7 @@ class HostStep:
     admitted: list[RequestRecord]  # new and resumed requests given a slot at this boundary
     preempted: tuple[str, ...] = ()
     query_start_loc: torch.Tensor | None = None  # host copy of batch.query_start_loc (shared: clone to publish)
+    verify_np: np.ndarray | None = None  # speculative: rows that verify drafts (decode rows), else None
 
 
 class Ledger:
@@ -322,11 +323,11 @@ class Ledger:
                 torch.tensor(ev_reasons, dtype=torch.int32).to(device),
             )
         admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT))
-        batch, row_records, slots_np, query_start_loc = self._stage_rows(plan.rows)
+        batch, row_records, slots_np, query_start_loc, verify_np = self._stage_rows(plan.rows)
         row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
         return HostStep(
             events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,
-            tuple(plan.preempts), query_start_loc,
+            tuple(plan.preempts), query_start_loc, verify_np,
         )
 
     def _stage_rows(self, rows: tuple[Span | None, ...]):
@@ -334,10 +335,13 @@ class Ledger:
         counts = [0 if s is None else s.num_tokens for s in rows]
         batch, slots, query_start_loc = self._batches.build(records, counts)
         live_now = np.isin(self.slot_state[slots], self._live_codes)
+        verify = [] if self.oracle.spec.verify_loop else None
         for record, n, is_live in zip(records, counts, live_now.tolist()):
+            if verify is not None:
+                verify.append(record is not None and is_live and record.num_computed >= record.prompt_len)
             if record is not None and is_live:
                 record.num_computed += n
-        return batch, records, slots, query_start_loc
+        return batch, records, slots, query_start_loc, None if verify is None else np.array(verify, dtype=bool)
 
     # -- after the step ------------------------------------------------------------------
 

@@ -21,6 +21,37 @@ DRAFT_TOKENS = "draft_tokens"
 MAX_DRAFTS = 16
 
 
+@attrs.define
+class SpeculationStats:
+    """Counters of an engine's verify rows (host side, from each step's output copy).
+
+    accepted counts drafts that were accepted and published (a draft accepted at the
+    position where the target then sampled EOS ends the request unpublished: not counted)."""
+
+    num_drafts: int
+    verify_rows: int = 0  # decode rows verified (one per request per step)
+    proposed: int = 0  # drafts verified: num_drafts per verify row
+    accepted: int = 0
+    frames: int = 0  # frames the verify rows published (accepted drafts + one bonus each)
+
+    def record(self, verify, published) -> None:
+        """verify: bool [B] rows that verified drafts; published: bool [B, k + 1] per position."""
+        rows = published[verify]
+        self.verify_rows += int(verify.sum())
+        self.proposed += self.num_drafts * int(verify.sum())
+        self.accepted += int(rows[:, 1:].sum())
+        self.frames += int(rows.sum())
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def frames_per_row(self) -> float:
+        """Frames a request gets per verify step (1.0 without speculation)."""
+        return self.frames / self.verify_rows if self.verify_rows else 0.0
+
+
 def check_speculation(model, speculate: int, lifecycle, policy) -> None:
     """Refuse (ModelBindingError) an engine that cannot run `speculate` drafts per step."""
     if type(speculate) is not int or not 0 <= speculate <= MAX_DRAFTS:

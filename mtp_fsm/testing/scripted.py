@@ -54,7 +54,11 @@ class ScriptedTalker(TalkerModel):
         seed: int = 0,
         device: torch.device | str = "cpu",
         variant: str | None = None,
+        draft_miss: int = 0,
     ) -> None:
+        # Speculative decoding (engine speculate=k): the drafter spoils the drafts for every
+        # position that is a multiple of draft_miss (0: none), so tests see misses at will.
+        self.draft_miss = draft_miss
         # Under "mtp_stop" the MTP hook, not CB0, carries the scripted stop (eos_at).
         self.mtp_stops = variant in ("mtp_stop", "mtp_stop_deferred")
         self.conditioned = variant == "conditioned"  # the text step reads the feed columns
@@ -184,6 +188,26 @@ class ScriptedTalker(TalkerModel):
             state = state + self.code_tables[g][token]
         codes = torch.stack(codes, dim=1)
         return MtpResult(codes, flags[:, 0] > 0) if self.mtp_stops else codes
+
+    def draft(self, inputs, choose):
+        """A drafter for speculative tests: the running mean one position ahead (what forward
+        computes there, rounding aside), so a greedy target mostly accepts; the scripted EOS /
+        NaN flags are invisible to it, and draft_miss spoils drafts on purpose."""
+        size, scratch = self.spec.hidden_size, self._scratch
+        last = inputs.last
+        mean, x, position = inputs.hidden[last, :size], inputs.next_inputs[last], inputs.positions[last]
+        slot = torch.where(inputs.token_slots[last] >= 0, inputs.token_slots[last], scratch)
+        drafts = []
+        for i in range(inputs.num_drafts):
+            at = position + 1 + i  # where x sits
+            mean = (mean * at[:, None] + x) / (at[:, None] + 1)
+            token = choose(mean @ self.head, i)
+            if self.draft_miss:
+                token = torch.where((at + 1) % self.draft_miss == 0, (token + 1) % self.spec.codebook_size, token)
+            drafts.append(token)
+            frame = (at + 1 - self.columns["prompt_len0"][slot]).clamp(min=0)
+            x = self.frame_embed(token[:, None]) + self.text_step(self.columns, slot, frame)
+        return torch.stack(drafts, dim=1)
 
     def frame_embed(self, codes):
         if self.spec.payload is not None:  # the payload [B, *PAYLOAD_SHAPE]
