@@ -17,7 +17,11 @@ from .model import MtpLMRoot
 _CONST_DIM, _BOS_DIM, _PROGRESS_DIM = 0, 1, 2
 _CONST_VALUE = 0.05
 _BOS_VALUE = 1.0
-_EOS_GAIN = 28.0
+_EOS_GAIN = 280.0
+# Peaked, mostly bigram-like next-token distributions (so the drafter has something to
+# predict and sampling is not uniform noise): the head's gain and the layers' output scale.
+_HEAD_GAIN = 30.0
+_LAYER_GAIN = 0.1
 
 
 class MtpLMTalker(SlotKVCache, TalkerModel):
@@ -83,6 +87,12 @@ class MtpLMTalker(SlotKVCache, TalkerModel):
         position s, positive and growing after it (greedy: EOS at about s + 1; sampled at
         temperature 1: a few positions later). It depends only on the row's position.
 
+        Peaked and predictable. The head is scaled by _HEAD_GAIN (random init leaves logits of
+        std ~0.08: sampling would be uniform noise) and every layer's output projections by
+        _LAYER_GAIN (PROGRESS's writer excepted), so the next token is mostly a function of
+        the current one: a stand-in for a trained LM's predictability, which is what a
+        drafter exploits.
+
         Drafter. The MTP layer at position p sees hnorm(backbone hidden at p) and
         enorm(embedding of token p + 1) and is scored against the backbone's prediction at
         p + 1, whose dominant inputs are that token's embedding and the layer stack over it.
@@ -117,7 +127,14 @@ class MtpLMTalker(SlotKVCache, TalkerModel):
         bos_row = emb[cfg.bos_token_id].float()
         bos_normed = _BOS_VALUE * torch.rsqrt(bos_row.pow(2).mean() + cfg.rms_norm_eps)
         first.o_proj.weight[_PROGRESS_DIM, 0] = _CONST_VALUE * (stop + 1) / bos_normed
+        for layer in m.model.layers[: cfg.num_hidden_layers]:
+            layer.mlp.down_proj.weight.mul_(_LAYER_GAIN)
+            out = layer.self_attn.o_proj.weight
+            progress = out[_PROGRESS_DIM].clone()
+            out.mul_(_LAYER_GAIN)
+            out[_PROGRESS_DIM] = progress
         head = m.lm_head.weight
+        head.mul_(_HEAD_GAIN)
         head[:, dims] = 0
         head[cfg.eos_token_id] = 0
         head[cfg.eos_token_id, _CONST_DIM] = _EOS_GAIN

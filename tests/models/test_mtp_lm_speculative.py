@@ -55,5 +55,5 @@ def test_the_mtp_drafter_is_accepted_often_on_greedy_text():
     plain, _ = generate(requests, 0, 3)
     speculative, engine = generate(requests, 2, 3)
     assert speculative == plain
-    # Measured 0.3+ on the tiny seeded model (the drafter is one layer, the backbone two).
-    assert engine.speculation.acceptance_rate > 0.15, engine.speculation
+    # Measured ~0.74 at k=2 on the tiny wired model (greedy); a random MTP layer gets ~0.
+    assert engine.speculation.acceptance_rate > 0.5, engine.speculation
