@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="torch intra-op threads (0: torch's default); the tiny model's ops are too small to "
                            "gain from more, and on a busy machine extra threads spin and slow every step")
     demo.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    demo.add_argument("--speculate", type=non_negative, default=0, metavar="K",
+                      help="speculative decoding with the model's drafter, K drafts verified per step (a model "
+                           "with a drafter: mtp_lm); the frames are those of K=0, in fewer steps")
     demo.add_argument("--backend", default="embedded", choices=("embedded", "vllm"),
                       help="embedded: the built-in scheduler; vllm: vLLM's engine core and scheduler drive the engine "
                            "(mtp_fsm.vllm.TalkerLLM)")
@@ -187,12 +190,16 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from .engine import LockstepEngine, NewRequest
+    from .errors import ModelBindingError
     from .serving import ChunkingSink, JsonlSink, SchedulingPolicy, ServingLoop
     from .serving.model_loader import ModelLoadError, load_talker
     output_dir(args.out)  # before loading anything: a bad path fails at once
     if args.backend == "vllm":
         from .vllm.demo import run_vllm_demo
 
+        if args.speculate:
+            raise UsageError("--speculate runs on the embedded backend only (vLLM's scheduler plans one token "
+                             "per decode row)")
         try:
             return run_vllm_demo(args, DEMO_TEXTS)
         except ValueError as exc:  # settings vLLM or the talker refuse
@@ -204,7 +211,11 @@ def _demo(args: argparse.Namespace) -> int:
     except Exception as exc:  # the factory itself raised: most likely not a talker factory (or wrong seed)
         raise UsageError(f"model {args.model!r}: its factory raised {type(exc).__name__}: {exc}") from exc
     policy = SchedulingPolicy(args.token_budget, args.prefill_chunk, preempt_after_steps=args.preempt_after)
-    engine = LockstepEngine(talker.model, args.max_slots, kernels=args.kernels, policy=policy)
+    try:
+        engine = LockstepEngine(talker.model, args.max_slots, kernels=args.kernels, policy=policy,
+                                speculate=args.speculate)
+    except ModelBindingError as exc:  # e.g. --speculate for a model without a drafter
+        raise UsageError(str(exc)) from exc
     chunk_sizes: list[int] = []  # a stand-in vocoder: the demo only counts what it would decode
     chunker = ChunkingSink(
         lambda chunk: chunk.has_audio and chunk_sizes.append(len(chunk.frames)),  # empty final chunks are no audio
@@ -226,7 +237,16 @@ def _demo(args: argparse.Namespace) -> int:
         jsonl.close()
     report_demo(loop.metrics, chunker, len(chunk_sizes), args.out,
                 f"{talker.name}: {args.requests} requests, {args.max_slots} slots")
+    if engine.speculation is not None:
+        print(speculation_line(engine.speculation, loop.metrics.total_frames, engine.step_count))
     return 0
+
+
+def speculation_line(stats, frames: int, steps: int) -> str:
+    """The demo's speculation summary: acceptance and what it bought."""
+    return (f"speculation: k={stats.num_drafts}, acceptance rate {stats.acceptance_rate:.3f} "
+            f"({stats.accepted}/{stats.proposed} drafts), {stats.frames_per_row:.2f} frames per verify row, "
+            f"{frames / max(steps, 1):.2f} frames per engine step ({frames} frames, {steps} steps)")
 
 
 def report_demo(metrics, chunker, num_chunks: int, out: str, title: str) -> None:

@@ -56,7 +56,7 @@ class MtpLMConfig:
     batch_invariant: bool = False
     demo_wiring: bool = False
     init_std: float = 0.02
-    demo_stop_position: int = 40
+    demo_stop_position: int = 80
 
     def __attrs_post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

@@ -217,7 +217,7 @@ def factory():
 
 
 def requests():
-    return [NewRequest(f"r{i}", text_inputs(t), max_frames=(60, 60, 12, 60)[i], seed=3 + i)
+    return [NewRequest(f"r{i}", text_inputs(t), max_frames=(100, 100, 12, 100)[i], seed=3 + i)
             for i, t in enumerate(TEXTS)]
 
 
