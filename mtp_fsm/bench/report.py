@@ -176,6 +176,10 @@ def update_readme(path: str, results: dict) -> bool:
     body = f"_From `make bench`, {stamp}._\n\n{markdown_table(results)}"
     if results.get("models"):
         body += "\n\n" + models_table(results["models"])
+    if results.get("speculative"):
+        from .speculative import speculative_table
+
+        body += "\n\n" + speculative_table(results["speculative"])
     return replace_marked_block(path, README_BEGIN, README_END, body)
 
 
@@ -313,6 +317,10 @@ def markdown_report(results: dict) -> str:
                     details.append(f"- {name} B={b}: " + "; ".join(extra))
         if details:
             out += ["", "Requests replaced or fed during the measurement:", "", *details]
+    if results.get("speculative"):
+        from .speculative import speculative_table
+
+        out += ["", "## Speculative decoding (tiny MTP LM)", "", speculative_table(results["speculative"])]
     e2e = results.get("e2e")
     if e2e:
         out += ["", f"## End to end: tiny Qwen3-TTS ({e2e['dtype']}, max {e2e['max_frames']} frames, {e2e['sampling']})",

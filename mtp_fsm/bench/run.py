@@ -27,6 +27,7 @@ from .step_counts import constant_in_batch, engine_counts_by_batch
 from .drivers import DRIVERS, make_requests
 from .null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
 from .report import markdown_report, markdown_table, models_table, plot_step_time, update_readme
+from .speculative import speculative_table
 from .timing import PROMPT_LEN, bench_sweep
 
 BATCH_SIZES = (1, 8, 64, 256, 1024)
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the clock of overheads, ratios and targets (both are recorded): cpu = the step thread's CPU "
                              "time, immune to other processes taking the core on a shared machine")
     parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: counts,breakdown,profile,models,e2e (the sweep's per-design "
+                        help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e (the sweep's per-design "
                              "op counts: step_counts)")
     parser.add_argument("--models", default="",
                         help="comma list of talkers for the per-model step (short names or 'pkg.module:factory'; "
@@ -287,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
 
             log("frame-format work per step (real sizes):")
             results["models"]["frame_costs"] = bench_frame_costs(MODEL_BATCH_SIZES, log=log)
+        if "speculative" not in skip:
+            from .speculative import bench_speculative
+
+            log("speculative decoding, tiny MTP LM, k = 0..4:")
+            results["speculative"] = bench_speculative(log=log)
         if "e2e" not in skip:
             from .e2e import bench_e2e
 
@@ -305,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if results.get("models"):
         log("")
         log(models_table(results["models"]))
+    if results.get("speculative"):
+        log("")
+        log(speculative_table(results["speculative"]))
     log(f"wrote {args.out_dir}/results.json, results.md, step_time.png in {results['wall_s']:.0f} s")
     # Last, so a README without the bench markers (a clear error) costs no results.
     if os.path.exists(args.readme) and update_readme(args.readme, results):

@@ -181,3 +181,15 @@ def test_bench_batch_and_report():
     assert "H2D" in table and table.count("**missed**") == 4
     report = markdown_report(results)
     assert "# mtp_fsm bench results" in report and "The same steps on the other clock" in report
+
+
+def test_speculative_bench_runs_every_k_on_the_same_frames_and_renders():
+    from mtp_fsm.bench.speculative import bench_speculative, speculative_table
+
+    with torch_threads(1):
+        section = bench_speculative(ks=(0, 2), rounds=1, num_requests=2, max_frames=6, max_slots=2, log=lambda _: None)
+    greedy = section["workloads"]["greedy"]
+    assert greedy[0]["frames"] == greedy[2]["frames"] > 0  # bench_speculative also raises on a mismatch
+    assert 0.0 <= greedy[2]["acceptance"] <= 1.0 and greedy[2]["frames_per_verify_row"] >= 1.0
+    table = speculative_table(section)
+    assert "| greedy | 2 |" in table and "| sampled | 0 |" in table
