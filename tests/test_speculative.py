@@ -51,7 +51,7 @@ def request_defs(draw, max_context: int = 96):
 
 
 def run_speculative(definitions, k: int, *, draft_miss: int, max_slots: int, policy: SchedulingPolicy,
-                    preempt_at: dict[int, int], kernels: str = "torch"):
+                    preempt_at: dict[int, int], kernels: str = "torch", abort_at: dict[int, int] | None = None):
     engine = LockstepEngine(drafting_talker(draft_miss), max_slots, kernels=kernels, policy=policy, speculate=k)
     requests = [d.new_request(f"r{i}") for i, d in enumerate(definitions)]
     frames = {r.request_id: [] for r in requests}
@@ -67,6 +67,9 @@ def run_speculative(definitions, k: int, *, draft_miss: int, max_slots: int, pol
         victim = preempt_at.get(step)
         if victim is not None and f"r{victim}" in engine.ledger.records:
             engine.preempt(f"r{victim}")
+        victim = (abort_at or {}).get(step)
+        if victim is not None and f"r{victim}" not in ended:
+            engine.abort(f"r{victim}")
         step += 1
         assert step < 2000, "speculative engine did not finish"
     return frames, ended, engine
@@ -93,6 +96,27 @@ def test_frames_equal_plain_decoding_for_any_k_batch_and_preemption(k, definitio
         assert ended[f"r{i}"][0] is want.reason, f"r{i}: ended {ended[f'r{i}']} but plain decoding {want.reason}"
         if want.reason is FinishReason.ERROR:
             assert ended[f"r{i}"][1] == want.detail
+
+
+@settings(FAST, max_examples=25)
+@given(k=st.integers(1, 4), definitions=st.lists(request_defs(), min_size=1, max_size=4),
+       abort_at=st.dictionaries(st.integers(0, 12), st.integers(0, 3), min_size=1, max_size=3),
+       preempt_at=st.dictionaries(st.integers(0, 12), st.integers(0, 3), max_size=2))
+def test_aborted_requests_publish_a_prefix_of_plain_decoding(k, definitions, abort_at, preempt_at):
+    """A client abort at any step boundary (a request verifying, drafting or preempted) ends
+    only that request: its frames are a prefix of its plain ones, the others are untouched."""
+    policy = SchedulingPolicy(token_budget=16, prefill_chunk=4, preempt_after_steps=1)
+    frames, ended, engine = run_speculative(definitions, k, draft_miss=2, max_slots=2, policy=policy,
+                                            preempt_at=preempt_at, abort_at=abort_at)
+    for i, d in enumerate(definitions):
+        want, got = alone(d), tuple(codes for _, codes in frames[f"r{i}"])
+        if f"r{i}" not in ended:  # aborted while still queued: dropped, never admitted
+            assert got == () and i in abort_at.values()
+        elif ended[f"r{i}"][0] is FinishReason.ABORT:
+            assert got == want.frames[: len(got)], f"r{i}: aborted frames are not a prefix"
+        else:
+            assert got == want.frames and ended[f"r{i}"][0] is want.reason, f"r{i}"
+    assert engine.idle and engine.num_free_slots == 2
 
 
 def test_good_drafts_publish_several_frames_per_step_and_bad_ones_one():
