@@ -227,3 +227,20 @@ def test_demo_runs_every_talker_of_the_zoo(name, tmp_path):
     finished = [r for r in records if r["type"] == "finished"]
     assert len(finished) == 2
     assert len([r for r in records if r["type"] == "frame"]) == sum(r["num_frames"] for r in finished) > 0
+
+
+def test_demo_speculate_publishes_the_plain_frames_and_reports_acceptance(tmp_path, capsys):
+    """`mtp-fsm demo --model mtp_lm --speculate 2`: the same frames as --speculate 0 (in
+    fewer steps), plus the acceptance line; a model without a drafter is a usage error."""
+    frames = {}
+    for k in (0, 2):
+        out = tmp_path / f"k{k}"
+        assert cli.main(["demo", "--requests", "3", "--max-frames", "12", "--max-slots", "2", "--model", "mtp_lm",
+                         "--speculate", str(k), "--out", str(out), "--no-progress"]) == 0
+        frames[k] = sorted((r["request_id"], r["frame_index"], r["codes"])
+                           for r in _read_jsonl(out / "frames.jsonl") if r["type"] == "frame")
+    assert frames[0] == frames[2] and frames[0]
+    printed = capsys.readouterr().out
+    assert "speculation: k=2, acceptance rate" in printed and "frames per verify row" in printed
+    rc = cli.main(["demo", "--model", "chatterbox", "--speculate", "2", "--out", str(tmp_path / "x"), "--no-progress"])
+    assert rc != 0 and "has no drafter" in capsys.readouterr().err
