@@ -373,7 +373,8 @@ class LockstepEngine:
         # `packed` is this step's own copy: views of it are owned by the output, and the
         # advanced indexing below copies again, so FrameBatch and RowOutput never alias.
         codes = frame_rows[:, OUT_CODES:]
-        ids = np.array(host.row_ids, dtype=object)[valid // per_row] if len(valid) else ()
+        row_ids = host.row_ids_np if host.row_ids_np is not None else np.array(host.row_ids, dtype=object)
+        ids = row_ids[valid // per_row] if len(valid) else ()
         published = codes[valid]
         payload = self.spec.payload
         frames = FrameBatch(

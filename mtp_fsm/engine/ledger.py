@@ -23,6 +23,7 @@ from .plan import FinishedRequest, NewRequest, Span, StepPlan
 from .admission import Admission
 from .records import RequestRecord
 from .staging import RowBatches, stage_admits
+from .steady import SteadyRows
 
 
 @attrs.define
@@ -42,6 +43,7 @@ class HostStep:
     preempted: tuple[str, ...] = ()
     query_start_loc: torch.Tensor | None = None  # host copy of batch.query_start_loc (shared: clone to publish)
     verify_np: np.ndarray | None = None  # speculative: rows that verify drafts (decode rows), else None
+    row_ids_np: np.ndarray | None = None  # row_ids as an object array (the output's request ids)
 
 
 class Ledger:
@@ -74,6 +76,10 @@ class Ledger:
         self.slot_state = np.zeros(rows, dtype=np.int64)
         self.slot_frames = np.zeros(rows, dtype=np.int64)
         self.slot_reason = np.zeros(rows, dtype=np.int64)
+        # Bumped whenever a request gains or loses a record or a slot: a steady batch's cache
+        # (validation and staging of identical rows) is valid only within one generation.
+        self.generation = 0
+        self._steady: SteadyRows | None = None
 
     def sync(self, record: RequestRecord) -> RequestRecord:
         """Bring a slot-holding record's FSM and counters up to the device mirror."""
@@ -179,7 +185,13 @@ class Ledger:
     def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], prepared: dict) -> None:
         """Rows of requests that already hold a slot are checked vectorised against the
         mirror (the steady-state decode batch); anything else, or any row that fails, goes
-        through the per-span check, which names the request and what is wrong."""
+        through the per-span check, which names the request and what is wrong. Rows equal
+        to the last steady batch's, in the same generation, are checked on arrays alone."""
+        steady, special = self._steady, gone or self._resuming or prepared
+        if not special and steady is not None and steady.matches(rows, self.generation) and steady.states_ok(
+                self.slot_state, self._live_codes, self._terminal_codes, self.decode_width):
+            return
+        self._steady = None
         spans = [s for s in rows if s is not None]
         special = gone | self._resuming | prepared.keys()
         records = [self.records.get(s.request_id) for s in spans]
@@ -200,6 +212,8 @@ class Ledger:
             bad.update(simple[i] for i in np.flatnonzero(wrong))
             if len(np.unique(slots)) != len(slots):
                 bad.update(simple)  # a request in two rows: let the slow path name it
+            if not bad and not special and (remaining <= 0).all():  # every row decodes or overruns
+                self._steady = self._steady_of(rows)
         seen: set[str] = set()
         for i, span in enumerate(spans):
             if i in bad:
@@ -208,6 +222,12 @@ class Ledger:
                 raise PlanError(span.request_id, None, "scheduled in two rows of one step")
             else:
                 seen.add(span.request_id)
+
+    def _steady_of(self, rows: tuple[Span | None, ...]) -> SteadyRows:
+        scratch = self.table.max_slots
+        slots = np.array([scratch if s is None else self.records[s.request_id].slot for s in rows], dtype=np.int64)
+        tokens = np.array([0 if s is None else s.num_tokens for s in rows], dtype=np.int64)
+        return SteadyRows(rows, self.generation, slots, tokens, np.array([s is not None for s in rows], dtype=bool))
 
     def _validate_span(self, span: Span, gone: set[str], seen: set[str], prepared: dict) -> None:
         rid = span.request_id
@@ -262,6 +282,8 @@ class Ledger:
         finally:
             self._resuming = set()
         ev_slots, ev_triggers, ev_reasons, ended = [], [], [], []
+        if plan.releases or plan.aborts or plan.preempts or plan.resumes or plan.new_requests:
+            self.generation += 1
 
         def event(slot: int, triggers: Iterable[Trigger], reason: FinishReason = FinishReason.NONE) -> None:
             trig = [int(t) for t in triggers]
@@ -323,25 +345,38 @@ class Ledger:
                 torch.tensor(ev_reasons, dtype=torch.int32).to(device),
             )
         admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT))
-        batch, row_records, slots_np, query_start_loc, verify_np = self._stage_rows(plan.rows)
-        row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
+        steady = self._steady if self._steady is not None and self._steady.matches(plan.rows, self.generation) else None
+        if steady is not None and steady.staged is not None:
+            row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np = steady.staged
+        else:
+            row_records = [None if s is None else self.records[s.request_id] for s in plan.rows]
+            counts = [0 if s is None else s.num_tokens for s in plan.rows]
+            batch, slots_np, query_start_loc = self._batches.build(row_records, counts)
+            row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
+            row_ids_np = np.array(row_ids, dtype=object)
+            if steady is not None:
+                steady.staged = (row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np)
+        verify_np = self._count_computed(row_records, counts, slots_np, steady is not None)
         return HostStep(
             events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,
-            tuple(plan.preempts), query_start_loc, verify_np,
+            tuple(plan.preempts), query_start_loc, verify_np, row_ids_np,
         )
 
-    def _stage_rows(self, rows: tuple[Span | None, ...]):
-        records = [None if s is None else self.records[s.request_id] for s in rows]
-        counts = [0 if s is None else s.num_tokens for s in rows]
-        batch, slots, query_start_loc = self._batches.build(records, counts)
+    def _count_computed(self, records: list, counts: list[int], slots: np.ndarray, steady: bool) -> np.ndarray | None:
+        """Each live row's record computes its scheduled tokens; returns the rows that verify
+        drafts (a speculative lifecycle's decode rows; None for other lifecycles)."""
         live_now = np.isin(self.slot_state[slots], self._live_codes)
-        verify = [] if self.oracle.spec.verify_loop else None
+        speculative = self.oracle.spec.verify_loop
+        if steady:  # every row decodes or overruns: the live ones are the decode rows
+            for i in np.flatnonzero(live_now).tolist():
+                records[i].num_computed += counts[i]
+            return live_now if speculative else None
+        verify = []
         for record, n, is_live in zip(records, counts, live_now.tolist()):
-            if verify is not None:
-                verify.append(record is not None and is_live and record.num_computed >= record.prompt_len)
+            verify.append(record is not None and is_live and record.num_computed >= record.prompt_len)
             if record is not None and is_live:
                 record.num_computed += n
-        return batch, records, slots, query_start_loc, None if verify is None else np.array(verify, dtype=bool)
+        return np.array(verify, dtype=bool) if speculative else None
 
     # -- after the step ------------------------------------------------------------------
 
@@ -385,6 +420,7 @@ class Ledger:
         were already terminal (overrun rows) are left as they were.
         """
         slots, before, ended = [], [], []
+        self.generation += 1
         affected = {id(r): r for r in [*host.row_records, *host.admitted] if r is not None}
         for record in affected.values():
             if record.slot is None:

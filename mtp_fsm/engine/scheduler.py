@@ -54,6 +54,7 @@ class Scheduler:
         self._head_wait = 0
         self._planned: tuple[StepPlan, str | None] | None = None  # last plan built, and its blocked head
         self.num_preemptions = 0
+        self._decode_spans: dict[str, Span] = {}  # request id -> its decode row, reused while it decodes
 
     # -- client side ---------------------------------------------------------------------
 
@@ -118,10 +119,16 @@ class Scheduler:
         budget, rows = self.policy.token_budget, []
         live = [r for r in running if r.request_id not in gone]
         width = ledger.decode_width  # 1, or the last token plus the drafts of a speculative engine
+        spans: dict[str, Span] = {}
         for r in live:  # decode rows first: they carry audio a listener is waiting for
             if not r.in_prefill and budget >= width:
-                rows.append(Span(r.request_id, width))
+                # The same Span objects step after step: the ledger recognises an unchanged
+                # decode batch by comparing rows, which is a pointer walk for identical objects.
+                span = self._decode_spans.get(r.request_id) or Span(r.request_id, width)
+                spans[r.request_id] = span
+                rows.append(span)
                 budget -= width
+        self._decode_spans = spans
         for r in live:
             if r.in_prefill and budget > 0:
                 budget -= self._chunk(rows, r.request_id, r.prompt_len - r.num_computed, budget)

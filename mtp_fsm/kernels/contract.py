@@ -74,6 +74,9 @@ class StepBatch:
     # Tokens of a decode row: 1, or 1 + k under speculative decoding (the last accepted
     # token, then k drafts at the following positions).
     decode_width: int = 1
+    # Host-known: some row may still be in its prompt (False lets compose skip the prompt
+    # gather of an all-decode batch; True is always correct).
+    has_prefill: bool = True
 
     @property
     def num_rows(self) -> int:

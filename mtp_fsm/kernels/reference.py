@@ -151,8 +151,11 @@ def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text
     decode_input = table.frame_embed[slot] + text_step(table.extra, slot, frame_index).to(table.frame_embed.dtype)
     rows = batch.token_rows
     positions = computed[rows] + batch.token_offsets
-    prompt_input = table.prompt_embeds[slot[rows], positions.clamp(max=table.max_context - 1)]
-    inputs = torch.where(prefill[rows, None], prompt_input, decode_input[rows])
+    if batch.has_prefill:
+        prompt_input = table.prompt_embeds[slot[rows], positions.clamp(max=table.max_context - 1)]
+        inputs = torch.where(prefill[rows, None], prompt_input, decode_input[rows])
+    else:  # every row decodes (host-known): no prompt row to gather
+        inputs = decode_input[rows]
     usable = live & ~bad_span
     # A draft past the context is inert (its position holds no KV; verification stops before it).
     token_slots = torch.where(usable[rows] & (positions < table.max_context), slot[rows], -1)
