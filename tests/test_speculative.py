@@ -201,3 +201,80 @@ def test_the_speculative_spec_declares_draft_verify_accept_reject():
     assert compiled.dest(Trigger.REJECT, State.DRAFTING) == State.DRAFTING
     assert compiled.dest(Trigger.DRAFT, State.DRAFTING) == State.DECODING
     assert spec.verify_loop and not lifecycle_for("single_codebook").verify_loop
+
+
+def _edge_recorder(spec, fired: set):
+    """A wrapper of the torch executor's run_phase that walks the stage chains itself (rules,
+    not outcome tables) and records the (trigger, source) of every row's fired edge."""
+    from mtp_fsm.kernels import reference
+    from mtp_fsm.lifecycle import Phase
+    from mtp_fsm.lifecycle.compiled import RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_PUBLISHES
+
+    rules = compile_lifecycle(spec).rules
+    real = reference.run_phase
+
+    def walk(lc, phase, state, owned, facts_for):
+        published = torch.zeros_like(owned)
+        now = state.clone()
+        for stage in spec.stages_of(phase):
+            facts = facts_for if isinstance(facts_for, dict) else facts_for(published)
+            word = int(0)
+            words = reference.predicate_word(facts)
+            for row in owned.nonzero().flatten().tolist():
+                word, source = int(words[row]), State(int(now[row]))
+                for trigger in stage.triggers:
+                    dest = int(rules[RULE_DEST, trigger, source])
+                    must, must_not = int(rules[RULE_MUST, trigger, source]), int(rules[RULE_MUST_NOT, trigger, source])
+                    if dest >= 0 and word & must == must and not word & must_not:
+                        fired.add((trigger, source))
+                        now[row] = dest
+                        published[row] |= bool(rules[RULE_PUBLISHES, trigger, source])
+                        break
+        result = real(lc, phase, state, owned, facts_for)
+        assert torch.equal(result.state.long(), now.long()), f"{phase.label}: the chains' walk and run_phase disagree"
+        return result
+
+    return walk
+
+
+def test_every_reachable_edge_of_the_speculative_spec_fires(monkeypatch):
+    """A scripted run that hits every in-step edge the speculative spec declares (and the
+    walk of the rules agrees with the executor at every phase). `draft` / `mtp_fail` from
+    `verifying` are declared because the compiler cannot know that draft_accepted is false
+    at a row's last position; they are the two that can never fire."""
+    from mtp_fsm.kernels import reference
+
+    spec = lifecycle_for("speculative")
+    fired: set = set()
+    monkeypatch.setattr(reference, "run_phase", _edge_recorder(spec, fired))
+
+    class PoisonedDrafter(ScriptedTalker):  # the drafter of slot 1's rows returns NaN logits at frame 2+
+        def draft(self, inputs, choose):
+            drafts = super().draft(inputs, choose)
+            bad = (inputs.token_slots[inputs.last] == 1) & (inputs.positions[inputs.last] >= 5)
+            choose(torch.where(bad[:, None], float("nan"), 0.0).expand(-1, self.spec.backbone_vocab_size).contiguous(), 1)
+            return drafts
+
+    requests = [
+        NewRequest("long", ScriptInputs((1, 2, 3, 4, 5, 6)), 7, 0, GREEDY),  # chunked; length while verifying
+        NewRequest("poisoned", ScriptInputs((9, 9)), 30, 1, GREEDY),  # drafter NaN: mtp_fail from drafting
+        NewRequest("nan0", ScriptInputs((3,), nan_at=0), 5, 2, GREEDY),  # fail from waiting (one-token prompt)
+        NewRequest("nan_late", ScriptInputs((4, 4), nan_at=3), 9, 3, GREEDY),  # fail from verifying/decoding
+        NewRequest("eos", ScriptInputs((5, 1, 2), eos_at=4), 9, 4, GREEDY),
+        NewRequest("sampled", ScriptInputs((6, 7)), 30, 5, SamplingParams()),  # misses: bonus, reject
+        NewRequest("chunked_nan", ScriptInputs((1, 2, 3, 4, 5), nan_at=0), 5, 6, GREEDY),  # fail from prefilling
+        NewRequest("decoding_nan", ScriptInputs((8,), nan_at=1), 5, 7, SamplingParams(top_k=1)),
+    ]
+    engine = LockstepEngine(PoisonedDrafter(num_codebooks=1, dtype=torch.float64), 8, kernels="torch",
+                            speculate=3, policy=SchedulingPolicy(token_budget=64, prefill_chunk=2))
+    engine.generate(requests)
+    # An async overrun: a finished and an aborted request scheduled once more (one token each).
+    engine.step(StepPlan(new_requests=[NewRequest("o1", ScriptInputs((2,)), 1, 0, GREEDY),
+                                       NewRequest("o2", ScriptInputs((3,), nan_at=0), 3, 0, GREEDY)],
+                         rows=[Span("o1", 1), Span("o2", 1)]))
+    engine.step(StepPlan(rows=[Span("o1", 1), Span("o2", 1)]))
+    in_step = {(t.trigger, s) for t in spec.transitions if t.guard is not None for s in t.sources}
+    never = {(Trigger.DRAFT, State.VERIFYING), (Trigger.MTP_FAIL, State.VERIFYING)}
+    missing = sorted((t.label, s.label) for t, s in in_step - never - fired)
+    assert not missing, f"edges that never fired: {missing}; fired: {sorted((t.label, s.label) for t, s in fired)}"
+    assert not (fired & never)

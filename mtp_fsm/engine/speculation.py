@@ -128,7 +128,8 @@ class SpeculativeStep:
             sub = position_batch(batch, verify, j)
             tokens = kern.sample_cb0(table, lc, sub, self._cb0_logits(hidden[sub.last_token]),
                                      eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
-            accepted = (tokens == drafts[:, j]) if j < k else torch.zeros_like(owned)
+            # Only a verify row has drafts (a prefill row's column holds no draft for it).
+            accepted = verify & (tokens == drafts[:, j]) if j < k else torch.zeros_like(owned)
             codes = tokens[:, None]
             packed.append(kern.publish_frames(table, lc, sub, codes, self._frame_embed(codes),
                                               accepted=accepted.contiguous(), last=False))
