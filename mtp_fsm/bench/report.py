@@ -85,6 +85,8 @@ def _reps_words(sweep: dict) -> str:
 def _target_line(t: dict) -> str:
     m = t["measured"]
     value = "" if m is None or isinstance(m, dict) else f"{m:.3f}; "  # a dict's parts are in the detail
+    if t.get("unresolved"):
+        return f"- {t['name']} {t['target']}: **unresolved** ({t['unresolved']}; {value}{t['detail']})"
     return f"- {t['name']} {t['target']}: **{'met' if t['met'] else 'missed'}** ({value}{t['detail']})"
 
 

@@ -161,6 +161,19 @@ def test_targets_are_computed_from_the_measurements():
     assert len(partial) == 4 and not any(t["met"] for t in partial)
     assert all(t["measured"] is None for t in partial)
 
+    # An engine faster than the floor in most repetitions: its overhead is noise, so the
+    # ratio targets built on it are unresolved (never claimed met), whatever they compute to.
+    noisy = dict(good)
+    noisy[256] = _row(256, {"floor": [100.0, 103.0], "engine": [98.0, 101.0], "transitions": [130.0, 133.0],
+                            "dict_loop": [104.0, 107.0]})
+    noisy[1024] = _row(1024, {"floor": [400.0, 420.0], "engine": [380.0, 399.0], "transitions": [520.0, 540.0],
+                              "dict_loop": [440.0, 460.0]})
+    targets = evaluate_targets(_results(noisy))
+    assert [t["met"] for t in targets] == [True, False, False, True], targets
+    assert "below this run's noise" in targets[1]["unresolved"] and "B=1024" in targets[2]["unresolved"]
+    from mtp_fsm.bench.report import _target_line
+    assert "**unresolved**" in _target_line(targets[1]) and "**met**" in _target_line(targets[0])
+
 
 def test_bench_batch_and_report():
     with torch_threads(1):
