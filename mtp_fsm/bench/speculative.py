@@ -126,8 +126,8 @@ def speculative_table(section: dict) -> str:
         f"median of {section['rounds']} rotated rounds; the frames are the same for every k (checked). Decode step: "
         "median of steps without a prefill row (k > 0: the verify step); overhead: step minus time in the model.",
         "",
-        "| workload | k | acceptance | frames / verify row | engine steps | ms / frame | vs k=0 | "
-        "decode step ms | vs k=0 | engine overhead ms/step |",
+        "| workload | k | acceptance | frames / verify row | engine steps | ms / frame | speed vs k=0 | "
+        "decode step ms | cost vs k=0 | engine overhead ms/step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, table in section["workloads"].items():
