@@ -75,7 +75,7 @@ def run_speculative(definitions, k: int, *, draft_miss: int, max_slots: int, pol
     return frames, ended, engine
 
 
-@settings(FAST, max_examples=60)
+@settings(FAST, max_examples=40)
 @given(k=st.integers(1, 4), definitions=st.lists(request_defs(), min_size=1, max_size=5),
        draft_miss=st.sampled_from([0, 0, 2, 3]), max_slots=st.integers(1, 4),
        budget=st.integers(5, 24), chunk=st.integers(1, 16),
@@ -98,7 +98,7 @@ def test_frames_equal_plain_decoding_for_any_k_batch_and_preemption(k, definitio
             assert ended[f"r{i}"][1] == want.detail
 
 
-@settings(FAST, max_examples=25)
+@settings(FAST, max_examples=15)
 @given(k=st.integers(1, 4), definitions=st.lists(request_defs(), min_size=1, max_size=4),
        abort_at=st.dictionaries(st.integers(0, 12), st.integers(0, 3), min_size=1, max_size=3),
        preempt_at=st.dictionaries(st.integers(0, 12), st.integers(0, 3), max_size=2))
