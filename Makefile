@@ -38,8 +38,10 @@ graphviz:
 demo: install
 	$(VENV)/bin/mtp-fsm demo
 
+# Two worker processes (pytest-xdist): the suite's heavy tests are single-threaded, so the
+# second core halves most of it (derandomized stateful suites replay the same examples).
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 bench: install
 	$(VENV)/bin/mtp-fsm bench
