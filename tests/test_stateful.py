@@ -24,20 +24,15 @@ from mtp_fsm.testing.stateful import COVERAGE, STATS, LifecycleMachine, lifecycl
 # firing 5+ times. Derandomized: hypothesis seeds from the test's code (and its file path), so a
 # checkout replays the same examples run after run; another path draws another fixed sample.
 CHECKS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
-SETTINGS = {
-    "mtp": settings(max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
-                    derandomize=True),
-    "single_codebook": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
-                    derandomize=True),
-    "mtp_stop": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
-                    derandomize=True),
-    "conditioned": settings(max_examples=80, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
-                    derandomize=True),
-    "stop_head": settings(max_examples=70, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
-                    derandomize=True),
-    "delay_pattern": settings(max_examples=130, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
-                    derandomize=True),
-}
+
+
+def _settings(max_examples: int):
+    return settings(max_examples=max_examples, stateful_step_count=40, deadline=None, suppress_health_check=CHECKS,
+                    derandomize=True)
+
+
+SETTINGS = {"mtp": _settings(100), "single_codebook": _settings(70), "mtp_stop": _settings(70),
+            "conditioned": _settings(80), "stop_head": _settings(70), "delay_pattern": _settings(130)}
 FACTORIES = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop": scripted_mtp_stop,
              "conditioned": scripted_conditioned, "delay_pattern": scripted_delay,
              "stop_head": scripted_stop_head}

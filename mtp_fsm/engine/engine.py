@@ -104,9 +104,8 @@ class LockstepEngine:
         self.speculate = speculate
         self.lifecycle = lifecycle or lifecycle_for("speculative" if speculate else self.spec.lifecycle)
         self.compiled = compile_lifecycle(self.lifecycle)
-        if self.lifecycle.verify_loop:
-            pass  # its MTP phase is the drafter (check_speculation)
-        elif bool(self.lifecycle.stages_of(Phase.MTP)) != self.spec.has_mtp:
+        # A verify loop's MTP phase is the drafter (check_speculation), not an MTP hook.
+        if not self.lifecycle.verify_loop and bool(self.lifecycle.stages_of(Phase.MTP)) != self.spec.has_mtp:
             has = "has an MTP hook" if self.spec.has_mtp else "has no MTP hook"
             raise LifecycleCompileError(
                 f"model {self.spec.name!r} {has} but lifecycle {self.lifecycle.name!r} declares "

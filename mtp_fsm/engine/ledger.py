@@ -211,27 +211,25 @@ class Ledger(PlanChecks):
             row_ids_np = np.array(row_ids, dtype=object)
             if steady is not None:
                 steady.staged = (row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np)
-        verify_np = self._count_computed(row_records, counts, slots_np, steady is not None)
+        verify_np = self._count_computed(row_records, counts, slots_np)
         return HostStep(
             events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,
             tuple(plan.preempts), query_start_loc, verify_np, row_ids_np,
         )
 
-    def _count_computed(self, records: list, counts: list[int], slots: np.ndarray, steady: bool) -> np.ndarray | None:
+    def _count_computed(self, records: list, counts: list[int], slots: np.ndarray) -> np.ndarray | None:
         """Each live row's record computes its scheduled tokens; returns the rows that verify
         drafts (a speculative lifecycle's decode rows; None for other lifecycles)."""
-        live_now = np.isin(self.slot_state[slots], self._live_codes)
-        speculative = self.oracle.spec.verify_loop
-        if steady:  # every row decodes or overruns: the live ones are the decode rows
-            for i in np.flatnonzero(live_now).tolist():
-                records[i].num_computed += counts[i]
-            return live_now if speculative else None
-        verify = []
-        for record, n, is_live in zip(records, counts, live_now.tolist()):
-            verify.append(record is not None and is_live and record.num_computed >= record.prompt_len)
-            if record is not None and is_live:
-                record.num_computed += n
-        return np.array(verify, dtype=bool) if speculative else None
+        live_rows = np.flatnonzero(np.isin(self.slot_state[slots], self._live_codes)).tolist()
+        verify = np.zeros(len(records), dtype=bool) if self.oracle.spec.verify_loop else None
+        for i in live_rows:
+            record = records[i]
+            if record is None:
+                continue
+            if verify is not None:
+                verify[i] = record.num_computed >= record.prompt_len
+            record.num_computed += counts[i]
+        return verify
 
     # -- after the step ------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import torch
 
 from ..errors import ModelBindingError
 from ..kernels.contract import OUT_ERROR, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, StepBatch
+from ..kernels.reference import in_class
 from ..lifecycle import CLASS_LIVE
 from ..model_api import ColumnSpec, DraftInputs
 from ..sampling import row_faults
@@ -37,8 +38,8 @@ class SpeculationStats:
     def record(self, verify, published) -> None:
         """verify: bool [B] rows that verified drafts; published: bool [B, k + 1] per position."""
         rows = published[verify]
-        self.verify_rows += int(verify.sum())
-        self.proposed += self.num_drafts * int(verify.sum())
+        self.verify_rows += len(rows)
+        self.proposed += self.num_drafts * len(rows)
         self.accepted += int(rows[:, 1:].sum())
         self.frames += int(rows.sum())
 
@@ -116,7 +117,7 @@ class SpeculativeStep:
         slot = batch.idx_mapping
         owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
         start = table.num_computed[slot].clone()
-        live = (lc.state_class[table.state[slot].long()] & CLASS_LIVE) != 0
+        live = in_class(lc, table.state[slot], CLASS_LIVE)
         verify = owned & live & (start >= table.prompt_len[slot]) & (batch.num_scheduled == k + 1)
         drafts = table.extra[DRAFT_TOKENS][slot] if k else None
         inputs, positions, token_slots = kern.compose_inputs(table, lc, batch, self._text_step)
