@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo_out", help="output folder (states.png, frames.jsonl)")
     demo.add_argument("--preempt-after", type=positive, default=None, metavar="N",
                       help="preempt the newest running request when the queue head waited N steps for a slot")
-    demo.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
+    demo.add_argument("--kernels", default="auto", choices=("auto", "torch", "compiled", "triton"))
     demo.add_argument("--threads", type=non_negative, default=1,
                       help="torch intra-op threads (0: torch's default); the tiny model's ops are too small to "
                            "gain from more, and on a busy machine extra threads spin and slow every step")

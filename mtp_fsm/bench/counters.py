@@ -43,6 +43,11 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Dynamo takes the ids of torch's functions when this module is first imported: imported while
+# `_patched` has replaced torch's factories, it would treat the real ones as unknown builtins
+# and the compiled engine could not trace them. Import it before anything is patched.
+import torch._dynamo.trace_rules  # noqa: F401  (imported for that side effect)
+
 from .instrument import GLUE, instrument_engine
 
 # Ops whose result the host must wait for (data-dependent output size or a host value).

@@ -106,11 +106,13 @@ class EngineDriver:
     """`LockstepEngine(model, max_slots=B)` stepping one prebuilt plan of B decode rows."""
 
     name = "engine"
+    kernels = "auto"
+    countable = True  # the op counter sees its ops (compiled code runs below Python dispatch modes)
 
     def __init__(
         self, model: TalkerModel, requests: Sequence[BenchRequest], *, device="cpu", max_slots: int | None = None
     ) -> None:
-        self.engine = LockstepEngine(model, max_slots=max_slots or len(requests), device=device)
+        self.engine = LockstepEngine(model, max_slots=max_slots or len(requests), device=device, kernels=self.kernels)
         self.requests = list(requests)
         self._decode = StepPlan(rows=tuple(Span(r.request_id, 1) for r in self.requests))
 
@@ -133,14 +135,29 @@ class EngineDriver:
         return [(rid, i, tuple(c)) for rid, i, c in zip(out.frames.request_ids, index, codes)]
 
 
+class CompiledEngineDriver(EngineDriver):
+    """The engine with its lifecycle stages compiled by TorchInductor (kernels="compiled")."""
+
+    name = "engine_compiled"
+    kernels = "compiled"
+    countable = False
+
+
 DRIVERS = {"floor": FloorDriver, "engine": EngineDriver, "transitions": TransitionsDriver, "dict_loop": DictLoopDriver}
+# Designs `make bench` adds to DRIVERS (slow to build: the compiled engine compiles its stages).
+EXTRA_DRIVERS = {"engine_compiled": CompiledEngineDriver}
 # The designs that run a lifecycle (the floor runs only the steady decode pattern).
 LIFECYCLE_DESIGNS = ("engine", "transitions", "dict_loop")
 
 
 def make_drivers(model_factory, requests: Sequence[BenchRequest], names: Sequence[str] = LIFECYCLE_DESIGNS) -> dict:
     """One driver per design, each with its own model instance from `model_factory()`."""
-    return {name: DRIVERS[name](model_factory(), requests) for name in names}
+    return {name: design(name)(model_factory(), requests) for name in names}
+
+
+def design(name: str):
+    """The driver class of a design name (DRIVERS or EXTRA_DRIVERS)."""
+    return DRIVERS.get(name) or EXTRA_DRIVERS[name]
 
 
 def check_same_frames(outputs: dict[str, list[FrameKey]]) -> dict[str, int]:

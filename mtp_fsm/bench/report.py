@@ -9,10 +9,12 @@ from .._util.marked_block import replace_marked_block
 DESIGN_TITLES = {
     "floor": "floor (no lifecycle)",
     "engine": "lockstep engine",
+    "engine_compiled": "lockstep engine, stages compiled (kernels=\"compiled\")",
     "transitions": "transitions static machine, FSM per request",
     "dict_loop": "per-request dict loop",
 }
-SHORT_TITLES = {"floor": "floor", "engine": "engine", "transitions": "transitions", "dict_loop": "dict loop"}
+SHORT_TITLES = {"floor": "floor", "engine": "engine", "engine_compiled": "engine compiled", "transitions": "transitions",
+                "dict_loop": "dict loop"}
 CLOCK_WORDS = {
     "cpu": "the step thread's CPU time (torch on 1 thread: the whole step runs there; time other processes "
            "take the core away is left out)",
@@ -106,12 +108,16 @@ def markdown_table(results: dict) -> str:
         f"{CLOCK_WORDS.get(clock, clock)}; overhead = design − floor, median of the per-repetition differences "
         "(× = median per-repetition ratio to the floor). Designs interleaved in every repetition; repetitions per "
         f"batch size: {_reps_words(sweep)}."
+        + (" engine compiled: the same engine with its lifecycle stages compiled by TorchInductor "
+           "(`kernels=\"compiled\"`; warm: its compile happened at admission, outside the timed steps)."
+           if "engine_compiled" in designs else "")
     )
     out = note + "\n\n" + _sweep_table(sweep, designs, clock)
-    if any("counts" in sweep[b]["designs"].get(d, {}) for b in sweep for d in designs):
+    counted = [d for d in designs if any("counts" in sweep[b]["designs"].get(d, {}) for b in sweep)]
+    if counted:
         out += ("\n\nOne steady decode step, whole step (host staging and output building included; "
                 "`mtp_fsm/bench/counters.py`): non-view aten ops (device / host), host-to-device copies, "
-                "device-to-host copies, host syncs (every D2H counts as one).\n\n" + counts_table(sweep, designs))
+                "device-to-host copies, host syncs (every D2H counts as one).\n\n" + counts_table(sweep, counted))
     targets = results.get("targets")
     if targets:
         out += "\n\nTargets (computed from the table above):\n\n" + "\n".join(_target_line(t) for t in targets)

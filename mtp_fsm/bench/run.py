@@ -24,7 +24,7 @@ import torch
 from .._util.stats import percentile
 from .._util.threads import torch_threads
 from .step_counts import constant_in_batch, engine_counts_by_batch
-from .drivers import DRIVERS, make_requests
+from .drivers import DRIVERS, EXTRA_DRIVERS, make_requests
 from .null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
 from .report import markdown_report, markdown_table, models_table, plot_step_time, update_readme
 from .speculative import speculative_table
@@ -179,11 +179,16 @@ def _unmeasured(name: str, target: str, what: str) -> dict:
     return _target(name, None, target, False, f"not measured: {what} did not run")
 
 
-def evaluate_targets(results: dict) -> list[dict]:
-    """The four targets of the honest-measurement issue, computed from the sweep: ratios and
-    overheads are paired per repetition on the sweep's clock (`lifecycle.clock`)."""
+def evaluate_targets(results: dict, engine: str = "engine") -> list[dict]:
+    """The four targets of the honest-measurement issue for one engine design (`engine`, or
+    `engine_compiled`: its stages compiled), computed from the sweep: ratios and overheads
+    are paired per repetition on the sweep's clock (`lifecycle.clock`). Names of the
+    compiled engine's targets say so."""
     life = results["lifecycle"]
     sweep, clock = life["sweep"], life.get("clock", "wall")
+    if engine != "engine" and not any(_design(sweep, b, engine) for b in sweep):
+        return []  # an optional design that did not run
+    label = "" if engine == "engine" else " (compiled stages)"
     ovh = f"overhead_ms_{clock}"
     out = []
 
@@ -192,7 +197,7 @@ def evaluate_targets(results: dict) -> list[dict]:
     target = "≤ 1.5 at B=1; ≤ 1.10 at B=256 and B=1024"
     measured, parts = {}, []
     for b, limit in limits.items():
-        e, f = _design(sweep, b, "engine"), _design(sweep, b, "floor")
+        e, f = _design(sweep, b, engine), _design(sweep, b, "floor")
         if e and f:
             measured[str(b)] = r = _paired_ratio(e, f, clock)
             floor_ms = _median(f, clock)
@@ -207,7 +212,7 @@ def evaluate_targets(results: dict) -> list[dict]:
 
     # (2) transitions-per-request overhead / engine overhead at B=256.
     name, target = "transitions-per-request overhead / engine overhead at B=256", "≥ 20"
-    e, t, f = _design(sweep, 256, "engine"), _design(sweep, 256, "transitions"), _design(sweep, 256, "floor")
+    e, t, f = _design(sweep, 256, engine), _design(sweep, 256, "transitions"), _design(sweep, 256, "floor")
     if e and t and f:
         r = t[ovh] / max(e[ovh], MIN_OVERHEAD_MS)
         out.append(_target(name, r, target, r >= 20, f"transitions {t[ovh]:+.2f} ms, engine {e[ovh]:+.2f} ms over the floor"
@@ -218,7 +223,7 @@ def evaluate_targets(results: dict) -> list[dict]:
 
     # (3) engine overhead at B=1024 / at B=8.
     name, target = "engine overhead at B=1024 / at B=8", "≤ 2"
-    big, small = _design(sweep, 1024, "engine"), _design(sweep, 8, "engine")
+    big, small = _design(sweep, 1024, engine), _design(sweep, 8, engine)
     big_floor, small_floor = _design(sweep, 1024, "floor"), _design(sweep, 8, "floor")
     if big and small and big_floor and small_floor:
         r = max(big[ovh], 0.0) / max(small[ovh], MIN_OVERHEAD_MS)
@@ -230,13 +235,14 @@ def evaluate_targets(results: dict) -> list[dict]:
 
     # (4) engine step at B=1 <= dict loop step at B=1.
     name, target = "engine step / dict-loop step at B=1", "≤ 1"
-    e, dl = _design(sweep, 1, "engine"), _design(sweep, 1, "dict_loop")
+    e, dl = _design(sweep, 1, engine), _design(sweep, 1, "dict_loop")
     if e and dl:
         r = _paired_ratio(e, dl, clock)
         out.append(_target(name, r, target, r <= 1, f"engine {e[ovh]:+.2f} ms, dict loop {dl[ovh]:+.2f} ms over the floor"))
     else:
         out.append(_unmeasured(name, target, "B=1 with the engine and the dict loop"))
     for t in out:
+        t["name"] += label
         if isinstance(t["measured"], float) and not math.isfinite(t["measured"]):
             t["measured"] = None
     return out
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                              "time, immune to other processes taking the core on a shared machine")
     parser.add_argument("--skip", default="",
                         help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e (the sweep's per-design "
-                             "op counts: step_counts)")
+                             "op counts: step_counts; the compiled engine design: compiled)")
     parser.add_argument("--models", default="",
                         help="comma list of talkers for the per-model step (short names or 'pkg.module:factory'; "
                              "default: every model in models/)")
@@ -278,14 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         results: dict = {"machine": machine_info(torch.get_num_threads())}
         cfg = (lifecycle_config if args.small_vocab else qwen3_tts_sizes)(max_context=MAX_CONTEXT)
         vocab = "small" if args.small_vocab else "real"
+        designs = tuple(DRIVERS) + (() if "compiled" in skip else tuple(EXTRA_DRIVERS))
         clock = time.thread_time if args.clock == "cpu" else time.perf_counter  # for the breakdown and split
         log(f"decode step per design (NullTalker, {vocab} vocabularies: CB0 {cfg.backbone_vocab_size}, "
             f"codebook {cfg.codebook_size}, Q={cfg.num_codebooks}); overhead = design - floor:")
         results["lifecycle"] = {"config": _config_dict(cfg), "vocab": vocab, "clock": args.clock,
                                 "budget_s": args.budget, "sweep": bench_sweep(
-            cfg, args.batch_sizes, budget_s=args.budget, naive_max_batch=args.naive_max_batch,
+            cfg, args.batch_sizes, designs, budget_s=args.budget, naive_max_batch=args.naive_max_batch,
             count="step_counts" not in skip, log=log)}
-        results["targets"] = evaluate_targets(results)
+        results["targets"] = evaluate_targets(results) + evaluate_targets(results, "engine_compiled")
         if "breakdown" not in skip:
             log("where the naive designs' time goes:")
             results["naive_breakdown"] = run_naive_breakdown(

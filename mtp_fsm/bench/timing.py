@@ -10,13 +10,14 @@ the time other processes on a shared machine take the core away.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Sequence
 
 from .._util.stats import percentile
 from .counters import StepCounter
-from .drivers import DRIVERS, check_same_frames, make_requests
+from .drivers import DRIVERS, check_same_frames, design, make_requests
 from .null_model import NullConfig, NullInputs, NullTalker
 
 PROMPT_LEN = 4
@@ -53,19 +54,25 @@ def bench_batch(
     All designs get the same requests (seeds, sampling) and the same precomputed model
     outputs; every step's published frames (request, index, codes) are checked identical.
     Before the timed steps each design is built, admitted and stepped once under the op
-    counter (tracking), then one steady step is counted (ops, copies, syncs; `count`).
+    counter (tracking), then one steady step is counted (ops, copies, syncs; `count`); a
+    design whose driver is not `countable` (compiled code) is timed only.
     Repetitions run until `budget_s` of timed steps is spent, within [min_reps, max_reps]
     and the slot table's room. The first design is the reference of the paired overheads
     (the floor, when it runs).
     """
     requests = make_requests(batch, NullInputs(PROMPT_LEN))
     drivers, counters, setup_s, admit_s, first = {}, {}, {}, {}, {}
+    tracked = {name: getattr(design(name), "countable", True) for name in designs}
+
+    def tracking(name: str):
+        return counters[name].tracking() if tracked[name] else contextlib.nullcontext()
+
     for name in designs:
-        counters[name] = counter = StepCounter()
-        with counter.tracking():
+        counters[name] = StepCounter()
+        with tracking(name):
             model = NullTalker(config)
             t0 = time.perf_counter()
-            drivers[name] = DRIVERS[name](model, requests)
+            drivers[name] = design(name)(model, requests)
             setup_s[name] = time.perf_counter() - t0
             t0 = time.perf_counter()
             out = drivers[name].admit()
@@ -74,7 +81,7 @@ def bench_batch(
     check_same_frames(first)
     outs = {}
     for name in designs:  # the first decode step after prefill: tracked, untimed
-        with counters[name].tracking():
+        with tracking(name):
             outs[name] = drivers[name].frames(drivers[name].step())
     check_same_frames(outs)
     counts = {}
@@ -82,7 +89,10 @@ def bench_batch(
         for name in designs:
             out = [None]
             step = drivers[name].step
-            counts[name] = counters[name].count(lambda: out.__setitem__(0, step()), getattr(drivers[name], "engine", None))
+            if tracked[name]:
+                counts[name] = counters[name].count(lambda: out.__setitem__(0, step()), getattr(drivers[name], "engine", None))
+            else:  # stepped uncounted, so every design stays on the same step
+                out[0] = step()
             outs[name] = drivers[name].frames(out[0])
         check_same_frames(outs)
     room = config.max_context - PROMPT_LEN - 3 - (2 if count else 1)  # decode steps the slot table has room for
@@ -171,7 +181,8 @@ def bench_sweep(
     BUDGET_SHARE); naive designs above `naive_max_batch` are skipped (recorded)."""
     out = {}
     for b in batch_sizes:
-        names = [d for d in designs if d in (FLOOR, "engine") or naive_max_batch is None or b <= naive_max_batch]
+        names = [d for d in designs if d in (FLOOR, "engine", "engine_compiled") or naive_max_batch is None
+                 or b <= naive_max_batch]
         lo, hi = reps_bounds(b)
         res = bench_batch(config, b, names, budget_s=budget_s * budget_share(b), min_reps=lo, max_reps=hi,
                           count=count, log=log)

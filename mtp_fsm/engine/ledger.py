@@ -56,8 +56,9 @@ class Ledger(PlanChecks):
         self.decode_width = decode_width
         self.live_states = compiled.states_in(CLASS_LIVE)
         self.terminal_states = compiled.states_in(CLASS_TERMINAL)
-        self._live_codes = np.array(sorted(int(s) for s in self.live_states))
-        self._terminal_codes = np.array(sorted(int(s) for s in self.terminal_states))
+        # Per state code: live / terminal (a lookup, not np.isin, which costs tens of µs a call).
+        self._is_live = _class_lookup(self.live_states)
+        self._is_terminal = _class_lookup(self.terminal_states)
         self._dest = compiled.rules[RULE_DEST].numpy()  # [trigger, state] -> state
         # Where an admitted row starts: admission from the (one) vacant state.
         (vacant,) = compiled.states_in(CLASS_VACANT)
@@ -220,7 +221,7 @@ class Ledger(PlanChecks):
     def _count_computed(self, records: list, counts: list[int], slots: np.ndarray) -> np.ndarray | None:
         """Each live row's record computes its scheduled tokens; returns the rows that verify
         drafts (a speculative lifecycle's decode rows; None for other lifecycles)."""
-        live_rows = np.flatnonzero(np.isin(self.slot_state[slots], self._live_codes)).tolist()
+        live_rows = np.flatnonzero(self._is_live[self.slot_state[slots]]).tolist()
         verify = np.zeros(len(records), dtype=bool) if self.oracle.spec.verify_loop else None
         for i in live_rows:
             record = records[i]
@@ -248,11 +249,11 @@ class Ledger(PlanChecks):
         if not real.any():
             return np.zeros(0, dtype=np.int64), ended
         slots = host.slots_np[real]
-        was_terminal = np.isin(self.slot_state[slots], self._terminal_codes)
+        was_terminal = self._is_terminal[self.slot_state[slots]]
         self.slot_state[slots] = packed[real, OUT_STATE]
         self.slot_frames[slots] = packed[real, OUT_NUM_FRAMES]
         self.slot_reason[slots] = packed[real, OUT_REASON]
-        now_terminal = np.isin(packed[:, OUT_STATE], self._terminal_codes) & real
+        now_terminal = self._is_terminal[packed[:, OUT_STATE]] & real
         newly = np.flatnonzero(now_terminal & ~_scatter(real, was_terminal))
         errors = [int(host.slots_np[row]) for row in newly if packed[row, OUT_REASON] == int(FinishReason.ERROR)]
         details = iter(explain(errors) if errors and explain is not None else ())
@@ -291,6 +292,13 @@ class Ledger(PlanChecks):
             record.slot, record.serial = None, 0
             ended.append(FinishedRequest(record.request_id, FinishReason.ERROR, record.num_frames, detail))
         return slots, before, ended
+
+
+def _class_lookup(states) -> np.ndarray:
+    """bool per state code (every code a slot-state byte can hold): member of `states`."""
+    lookup = np.zeros(256, dtype=bool)
+    lookup[[int(s) for s in states]] = True
+    return lookup
 
 
 def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -86,7 +86,7 @@ class PlanChecks:
         to the last steady batch's, in the same generation, are checked on arrays alone."""
         steady, special = self._steady, gone or self._resuming or prepared
         if not special and steady is not None and steady.matches(rows, self.generation) and steady.states_ok(
-                self.slot_state, self._live_codes, self._terminal_codes, self.decode_width):
+                self.slot_state, self._is_live, self._is_terminal, self.decode_width):
             return
         self._steady = None
         spans = [s for s in rows if s is not None]
@@ -102,7 +102,7 @@ class PlanChecks:
             tokens = np.fromiter((spans[i].num_tokens for i in simple), np.int64, len(simple))
             remaining = np.fromiter((records[i].prompt_len - records[i].num_computed for i in simple), np.int64, len(simple))
             state = self.slot_state[slots]
-            live, terminal = np.isin(state, self._live_codes), np.isin(state, self._terminal_codes)
+            live, terminal = self._is_live[state], self._is_terminal[state]
             wrong = (tokens < 1) | (~live & ~terminal)
             wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != self.decode_width)
             wrong |= terminal & (tokens != 1)

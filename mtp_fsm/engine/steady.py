@@ -24,10 +24,10 @@ class SteadyRows:
     def matches(self, rows: tuple, generation: int) -> bool:
         return generation == self.generation and rows == self.rows
 
-    def states_ok(self, slot_state: np.ndarray, live_codes: np.ndarray, terminal_codes: np.ndarray,
+    def states_ok(self, slot_state: np.ndarray, is_live: np.ndarray, is_terminal: np.ndarray,
                   decode_width: int) -> bool:
         """Every real row is live with a decode row's width, or ended with one overrun token."""
         state = slot_state[self.slots[self.real]]
         tokens = self.tokens[self.real]
-        live, terminal = np.isin(state, live_codes), np.isin(state, terminal_codes)
+        live, terminal = is_live[state], is_terminal[state]
         return bool(np.all(np.where(live, tokens == decode_width, terminal & (tokens == 1))))

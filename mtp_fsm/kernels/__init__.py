@@ -1,4 +1,4 @@
-"""One kernel per transition stage; `select_backend` picks torch (reference) or Triton."""
+"""One kernel per transition stage; `select_backend` picks torch (reference), compiled torch or Triton."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..errors import KernelBackendError
 from . import reference
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch
 
-BACKENDS = ("torch", "triton", "auto")
+BACKENDS = ("torch", "compiled", "triton", "auto")
 
 
 def select_backend(kernels: str, device: torch.device) -> types.ModuleType:
@@ -19,6 +19,10 @@ def select_backend(kernels: str, device: torch.device) -> types.ModuleType:
         raise KernelBackendError(f"unknown kernel backend {kernels!r}; choose one of {BACKENDS}")
     if kernels == "torch" or (kernels == "auto" and device.type != "cuda"):
         return reference
+    if kernels == "compiled":  # imported on demand: torch.compile wrappers are built at import
+        from . import compiled
+
+        return compiled
     try:
         from . import triton_kernels
     except ImportError as exc:  # triton missing, or the Triton backend not built for this install

@@ -12,7 +12,8 @@ per-request Python loop) and no device value is read on the host.
 
 from __future__ import annotations
 
-import attrs
+from typing import NamedTuple
+
 import torch
 
 from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
@@ -27,8 +28,7 @@ from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextS
 BATCHED_NOISE_ELEMENTS = 1 << 17  # measured: larger blocks fall out of cache and lose
 
 
-@attrs.frozen
-class PhaseResult:
+class PhaseResult(NamedTuple):
     state: torch.Tensor  # new state per row
     reason: torch.Tensor  # int32 finish reason recorded by a fired edge (0 = none)
     published: torch.Tensor  # bool: a fired edge emits a frame
@@ -137,6 +137,18 @@ def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text
 
     Returns (inputs_embeds [T, H], positions [T], token_slots [T]; -1 = inert token).
     """
+    return compose_rows(table, lc, batch, decode_text(table, batch, text_step))
+
+
+def decode_text(table: SlotTable, batch: StepBatch, text_step: TextStep) -> torch.Tensor:
+    """The model's text-step input of each row's decode token (the model's own code, so it
+    stays outside the fused stage functions)."""
+    slot = batch.idx_mapping
+    return text_step(table.extra, slot, (table.num_frames[slot] - 1).clamp(min=0))
+
+
+def compose_rows(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text: torch.Tensor):
+    """compose_inputs given each row's text-step input [B, H]: a pure tensor function."""
     slot = batch.idx_mapping
     owned = _owned(table, batch)
     live = owned & in_class(lc, table.state[slot], CLASS_LIVE)
@@ -147,8 +159,7 @@ def compose_inputs(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text
                                   batch.num_scheduled != batch.decode_width)
     _flag(table, slot, bad_span, ERR_SPAN)
     _flag(table, slot, ~batch.is_padding & ~owned, ERR_IDENTITY)
-    frame_index = (table.num_frames[slot] - 1).clamp(min=0)
-    decode_input = table.frame_embed[slot] + text_step(table.extra, slot, frame_index).to(table.frame_embed.dtype)
+    decode_input = table.frame_embed[slot] + text.to(table.frame_embed.dtype)
     rows = batch.token_rows
     positions = computed[rows] + batch.token_offsets
     if batch.has_prefill:
@@ -181,11 +192,15 @@ def sample_cb0(
     allowed: torch.Tensor | None,
 ) -> torch.Tensor:
     """Stage 4: counters, CB0 sampling and the sample-phase stages (intake, EOS), fused."""
+    tokens, fault = draw_cb0(table, batch, logits, eos_token_id=eos_token_id, allowed=allowed)
+    record_cb0(table, lc, batch, tokens, fault, eos_token_id)
+    return tokens
+
+
+def draw_cb0(table: SlotTable, batch: StepBatch, logits: torch.Tensor, *, eos_token_id: int | None,
+             allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's CB0 token and fault word, with its history rules (penalty, min_frames)."""
     slot = batch.idx_mapping
-    state = table.state[slot]
-    owned = _owned(table, batch)
-    live = owned & in_class(lc, state, CLASS_LIVE)
-    computed = table.num_computed[slot] + torch.where(live, batch.num_scheduled, 0)
     suppress = batch.cb0_min_frames and eos_token_id is not None
 
     def rules(x: torch.Tensor) -> torch.Tensor:
@@ -195,12 +210,23 @@ def sample_cb0(
             x = suppress_eos(x, eos_token_id, table.num_frames[slot], table.min_frames[slot])
         return x
 
-    tokens, fault = sample_tokens(
+    return sample_tokens(
         logits, table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot],
         table.seed[slot], table.num_frames[slot], 0, allowed=allowed, apply_filters=batch.cb0_filters,
         top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p, top_k_min=batch.cb0_top_k_min,
         rules=rules if batch.cb0_penalty or suppress else None,
     )
+
+
+def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: torch.Tensor, fault: torch.Tensor,
+               eos_token_id: int | None) -> None:
+    """The sample-phase stages over sampled CB0 tokens and their fault words: counters,
+    intake and EOS edges, the fault column (a pure tensor function)."""
+    slot = batch.idx_mapping
+    state = table.state[slot]
+    owned = _owned(table, batch)
+    live = owned & in_class(lc, state, CLASS_LIVE)
+    computed = table.num_computed[slot] + torch.where(live, batch.num_scheduled, 0)
     bad = fault != 0
     eos = tokens == eos_token_id if eos_token_id is not None else torch.zeros_like(bad)
     facts = {Predicate.PROMPT_DONE: computed >= table.prompt_len[slot], Predicate.CB0_FAULT: bad,
@@ -209,7 +235,6 @@ def sample_cb0(
     table.num_computed[slot] = computed
     _record(table, slot, result)
     _record_fault(table, slot, owned, result, fault)  # codebook 0: the word is the kind
-    return tokens
 
 
 def mtp_sampler(table: SlotTable, batch: StepBatch):
@@ -267,7 +292,7 @@ def mtp_scatter(
              Predicate.MTP_STOP: torch.zeros_like(owned) if mtp_stop is None else mtp_stop.to(torch.bool)}
     result = run_phase(lc, Phase.MTP, table.state[slot], owned, facts)
     if last:
-        result = attrs.evolve(result, stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
+        result = result._replace(stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
     _record(table, slot, result)
     _record_fault(table, slot, owned, result, mtp_faults)
 
@@ -310,7 +335,7 @@ def publish_frames(
 
     result = run_phase(lc, Phase.PUBLISH, table.state[slot], owned, facts)
     if last:  # whatever the stages did, no row may rest in a state that exists only inside a step
-        result = attrs.evolve(result, stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
+        result = result._replace(stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
     ready = result.published
     num_frames = frame_index + ready.long()
     table.frame_codes[slot] = torch.where(ready[:, None], codes, table.frame_codes[slot])

@@ -1,0 +1,48 @@
+"""kernels="compiled" (the reference's lifecycle stages compiled by TorchInductor) vs the torch
+reference: twin engines on the same plans publish the same frames and hold bit-equal slot
+tables after every step (admission, chunked prefill, decode, preemption and resume, aborts,
+EOS, NaN faults in CB0 and MTP) and every batch size the plans make (static, then dynamic
+shapes). One lifecycle (the default MTP one): the stages are lifecycle-generic, and each
+further variant costs a cold compile of about a minute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_fsm.engine import LockstepEngine
+from mtp_fsm.gpu.step_harness import lockstep_plans, outputs_equal, scripted_requests, tables_equal
+from mtp_fsm.kernels import compiled, reference, select_backend
+from mtp_fsm.testing import ScriptedTalker
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(autouse=True)
+def _every_call_compiled():
+    # Past the recompile limit dynamo would run a stage eagerly (the reference itself) and the
+    # comparison would prove nothing: make that an error instead.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+
+
+def test_backend_is_selected_by_name():
+    assert select_backend("compiled", torch.device("cpu")) is compiled
+    assert select_backend("auto", torch.device("cpu")) is reference
+
+
+def test_compiled_stages_equal_the_reference():
+    engines = [LockstepEngine(ScriptedTalker(max_context=96), 3, kernels=k)
+               for k in ("torch", "compiled")]
+    pending, state, frames, reasons = scripted_requests(7, max_frames=7), {}, 0, set()
+    for step in range(80):
+        plan, done = lockstep_plans(engines[0], pending, state)
+        if done:
+            break
+        a, b = (e.step(plan) for e in engines)
+        assert outputs_equal(a, b), f"step {step}: outputs differ"
+        assert tables_equal(engines[0].table, engines[1].table) == [], f"step {step}"
+        frames += len(a.frames)
+        reasons |= {f.reason.name.lower() for f in a.finished}
+    assert done and frames > 20
+    assert {"eos", "length", "error", "abort"} <= reasons, reasons  # every ending ran compiled
