@@ -43,11 +43,6 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Dynamo takes the ids of torch's functions when this module is first imported: imported while
-# `_patched` has replaced torch's factories, it would treat the real ones as unknown builtins
-# and the compiled engine could not trace them. Import it before anything is patched.
-import torch._dynamo.trace_rules  # noqa: F401  (imported for that side effect)
-
 from .instrument import GLUE, instrument_engine
 
 # Ops whose result the host must wait for (data-dependent output size or a host value).
@@ -268,6 +263,13 @@ class StepCounter(TorchDispatchMode):
 
     @contextlib.contextmanager
     def _patched(self) -> Iterator[None]:
+        # Dynamo takes the ids of torch's functions when it is first imported: imported while
+        # torch's factories are replaced below, it would treat the real ones as unknown builtins
+        # and the compiled engine design could not trace them. Imported here, not at module
+        # import: it imports triton, which must not happen before a test session has chosen
+        # the Triton interpreter (tests/kernels/conftest.py).
+        import torch._dynamo.trace_rules  # noqa: F401
+
         counter = self
         T = torch.Tensor
         originals = {name: getattr(T, name) for name in ("to", "cpu", "cuda", "tolist", "numpy")}

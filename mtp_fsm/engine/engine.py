@@ -18,6 +18,7 @@ from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel, feed_columns
 from ..sampling import describe_fault
 from ..slots import SlotTable
+from .decode_graphs import DEFAULT_BUCKETS, DecodeGraphs, resolve_mode
 from .feed import ConditioningFeed
 from .ledger import HostStep, Ledger
 from .pipeline import DevicePipeline, deferred_columns
@@ -91,10 +92,17 @@ class LockstepEngine:
         lifecycle: LifecycleSpec | None = None,
         policy: SchedulingPolicy | None = None,
         speculate: int = 0,
+        decode_graphs: str = "auto",
+        graph_buckets: Iterable[int] = DEFAULT_BUCKETS,
     ) -> None:
         """speculate=k >= 1: speculative decoding with the model's drafter (`draft`), k drafts
         verified per decode row under the `speculative` lifecycle; the frames are those of
-        speculate=0 (the plain single-codebook lifecycle), only the steps are fewer."""
+        speculate=0 (the plain single-codebook lifecycle), only the steps are fewer.
+
+        decode_graphs: decode-only steps through engine-owned padded buffers per batch bucket
+        (`graph_buckets`), "cuda": captured and replayed as CUDA graphs (needs the Triton
+        kernels), "eager": the same buffers run eagerly, "off": never, "auto": "cuda" where it
+        can run, else off. The frames are the same in every mode."""
         policy = policy or SchedulingPolicy()
         check_speculation(model, speculate, lifecycle, policy)
         _bind(model, self)
@@ -143,6 +151,9 @@ class LockstepEngine:
             (self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step), self._allowed, self.device,
             speculative,
         )
+        mode = resolve_mode(decode_graphs, self.device, self.kernels.__name__.rsplit(".", 1)[-1], 1 + speculate)
+        self.graphs = None if mode == "off" else DecodeGraphs(
+            mode, graph_buckets, self.table.max_slots, self.device, self._pipeline.run, strict=decode_graphs == "cuda")
         self.step_count = 0
         # Speculative engines: drafts proposed / accepted, frames per verify row.
         self.speculation = SpeculationStats(speculate) if speculative is not None else None
@@ -280,6 +291,8 @@ class LockstepEngine:
         with torch.inference_mode():
             self._apply_events(host)
             self._admit(host)
+            if self.graphs is not None and self.graphs.eligible(host):
+                return self.graphs.run(host.batch)
             return self._run_rows(host)
 
     def finish(self, host: HostStep, packed: torch.Tensor) -> StepOutput:

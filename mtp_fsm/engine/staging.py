@@ -123,6 +123,19 @@ class RowBatches:
         return self._built
 
 
+def _to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host int64 vectors as device views of one buffer: one host-to-device copy (from pinned
+    memory on CUDA, so it does not block) instead of one per vector."""
+    if device.type == "cpu":
+        return host
+    names = list(host)
+    flat = torch.cat([host[n] for n in names])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    moved = flat.to(device, non_blocking=True)
+    return dict(zip(names, torch.split(moved, [host[n].numel() for n in names])))
+
+
 def build_batch(
     table: SlotTable, spec: ModelSpec, records: list[RequestRecord | None], counts: list[int], decode_width: int = 1,
 ) -> tuple[StepBatch, np.ndarray, torch.Tensor]:
@@ -142,15 +155,19 @@ def build_batch(
     cb0_penalty = any(cb0.penalises for cb0, _ in live)
     min_frames = any(r.min_frames > 0 for r in records if r is not None)
     mtp_k_max, mtp_top_p, mtp_k_min = sampler_facts(mtp for _, mtp in live)
+    rows = _to_device({
+        "idx_mapping": torch.tensor(idx, dtype=torch.int64),
+        "is_padding": torch.tensor([r is None for r in records], dtype=torch.int64),
+        "expected_serial": torch.tensor([0 if r is None else r.serial for r in records], dtype=torch.int64),
+        "num_scheduled": torch.tensor(counts, dtype=torch.int64),
+        "query_start_loc": qsl,
+        "token_rows": token_rows,
+        "token_offsets": torch.arange(starts[-1]) - qsl[token_rows],
+        "last_token": (qsl[1:] - 1).clamp(min=0),
+    }, device)
+    rows["is_padding"] = rows["is_padding"].bool()
     batch = StepBatch(
-        idx_mapping=torch.tensor(idx, dtype=torch.int64).to(device),
-        is_padding=torch.tensor([r is None for r in records], dtype=torch.bool).to(device),
-        expected_serial=torch.tensor([0 if r is None else r.serial for r in records], dtype=torch.int64).to(device),
-        num_scheduled=torch.tensor(counts, dtype=torch.int64).to(device),
-        query_start_loc=qsl.to(device),
-        token_rows=token_rows.to(device),
-        token_offsets=(torch.arange(starts[-1]) - qsl[token_rows]).to(device),
-        last_token=(qsl[1:] - 1).clamp(min=0).to(device),
+        **rows,
         cb0_filters=cb0_k_max > 0 or cb0_top_p,
         mtp_filters=mtp_k_max > 0 or mtp_top_p,
         cb0_top_k_max=cb0_k_max,

@@ -5,20 +5,20 @@ On a CUDA machine:
    overrun) through kernels="torch" and kernels="triton", ScriptedTalker float32 and the
    tiny Qwen3-TTS when `models.qwen3_tts` is importable: identical frames, finish reasons
    and slot tables after every step;
-2. CUDA graphs: the whole device step (compose, backbone, CB0 sampling, MTP, publish) is
-   captured per padded batch bucket over persistent StepBatch buffers and replayed; every
-   replay must equal the eager run of the same padded batch (packed output and every
-   slot-table column, bit for bit) on a twin engine;
+2. CUDA graphs: the engine's own decode graphs (`decode_graphs="cuda"`: the whole device
+   step captured per padded batch bucket over engine-owned buffers, replayed) against a
+   twin engine with decode_graphs="off": same frames and endings after every step, live
+   slots equal (integer columns bit for bit, floats to rounding), no capture refused;
 3. no host sync: admission, prefill, decode, preempt/resume and abort steps run their
    device stages under torch.cuda.set_sync_debug_mode("error");
 4. launches per decode step, counted with torch.profiler at batch 1, 64 and 256 (must be
    constant for the FSM stages);
-5. timing: engine.step (eager), eager stages on the padded batch, graph replay.
+5. timing: the whole engine.step with decode graphs off and on.
 Then one summary table. Without CUDA it says so and exits 0 (2 with --require-gpu).
---cpu-dry-run runs checks 1 and 2 (eager padded buckets, no graphs) on the CPU under the
-Triton interpreter, to exercise this script's own logic.
+--cpu-dry-run runs checks 1 and 2 (decode_graphs="eager": the padded buckets, no capture) on
+the CPU under the Triton interpreter, to exercise this script's own logic.
 
-The step machinery (padded buckets, graph capture, launch labels) is in step_harness.py.
+Plans, twin comparisons and launch labels are in step_harness.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections import Counter
 import torch
 
 from .step_harness import (
-    Labeled, PaddedEngine, PaddedStep, admitted_engine, decode_plan, label_model, lockstep_plans, outputs_equal,
+    Labeled, admitted_engine, decode_plan, label_model, live_slots_differ, lockstep_plans, outputs_equal,
     qwen, qwen_requests, scripted, scripted_requests, step_with, tables_equal,
 )
 
@@ -84,72 +84,63 @@ def run_parity(name: str, make_model, requests, device, slots: int = 3, max_step
 
 
 def run_graphs(name: str, make, make_requests, buckets, device, steps: int, timing: dict | None,
-               use_graphs: bool = True) -> None:
+               mode: str = "cuda") -> None:
     for bucket in buckets:
-        label = f"{'graph replay == eager' if use_graphs else 'padded bucket == engine.step'} {name} b={bucket}"
-        guarded(label)(graph_bucket)(label, make, make_requests, bucket, device, steps, timing, use_graphs)
+        label = f"{'graph replay == eager' if mode == 'cuda' else 'padded bucket == engine.step'} {name} b={bucket}"
+        guarded(label)(graph_bucket)(label, make, make_requests, bucket, device, steps, timing, mode)
 
 
-def graph_bucket(label, make, make_requests, bucket, device, steps, timing, use_graphs) -> None:
-    """Twin engines, same plans: eager padded stages (or engine.step) vs padded replay."""
+def graph_bucket(label, make, make_requests, bucket, device, steps, timing, mode) -> None:
+    """Twin engines, same plans: decode_graphs="off" vs the engine's own padded bucket
+    (captured and replayed in mode "cuda", eager over the same buffers in mode "eager")."""
     rows = max(1, bucket - (bucket > 1))  # leave one padding row in the bucket when possible
-    eager, padded = (admitted_engine(make, rows, device, make_requests=make_requests) for _ in range(2))
-    driver = PaddedEngine(padded, [bucket], use_graphs)
+    eager = admitted_engine(make, rows, device, make_requests=make_requests, decode_graphs="off")
+    graphed = admitted_engine(make, rows, device, make_requests=make_requests, decode_graphs=mode,
+                              graph_buckets=(bucket,))
     for i in range(steps):
         plan = decode_plan(eager)
         if not plan.rows:
             break
-        if use_graphs:
-            host = eager.stage(plan)
-            ps = driver.stepper(host.batch.num_rows, (host.batch.cb0_filters, host.batch.mtp_filters))
-            twin = PaddedStep(eager, ps.bucket, (ps.batch.cb0_filters, ps.batch.mtp_filters))
-            n = twin.load(host.batch)
-            out = twin.run_eager()
-            out_a = eager.finish(host, torch.cat([out[:n], out[-1:]]))
-        else:
-            out_a = eager.step(plan)
-        out_b = driver.step(plan)
-        diff = tables_equal(eager.table, padded.table)
+        out_a, out_b = eager.step(plan), graphed.step(plan)
+        diff = live_slots_differ(eager, graphed)
         if not outputs_equal(out_a, out_b) or diff:
             record(label, False, f"step {i}: outputs equal={outputs_equal(out_a, out_b)}, columns differing={diff}")
             return
-    record(label, driver.padded_steps > 0, f"{driver.padded_steps} decode steps of {rows} rows, outputs and tables equal")
-    if use_graphs and timing is not None:
+    g = graphed.graphs
+    record(label, g.replays > 0 and not g.refused,
+           f"{g.replays} decode steps of {rows} rows through the bucket, outputs and live slots equal"
+           + (f"; capture refused: {g.refused}" if g.refused else ""))
+    if mode == "cuda" and timing is not None:
         timing[bucket] = time_bucket(make, rows, bucket, device)
 
 
 def time_bucket(make, rows: int, bucket: int, device, iters: int = 20) -> dict:
-    """ms per decode step: engine.step (eager, unpadded), eager stages (padded), graph replay."""
+    """ms per whole decode step (engine.step: staging, device stages, the copy, outputs)
+    with decode_graphs off and with the step replayed as a CUDA graph."""
     out = {}
-    engine = admitted_engine(make, rows, device, max_frames=10 * iters)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        engine.step(decode_plan(engine))
-    out["engine.step"] = (time.perf_counter() - t) / iters * 1e3
-    ps = PaddedStep(engine, bucket, (True, True))
-    ps.capture()
-    ps.load(engine.stage(decode_plan(engine)).batch)  # the device state runs ahead of the ledger from here
-    for name, fn in (("eager stages", ps.run_eager), ("graph replay", ps.replay)):
-        fn()
+    for mode in ("off", "cuda"):
+        engine = admitted_engine(make, rows, device, max_frames=10 * iters, decode_graphs=mode,
+                                 graph_buckets=(bucket,))
+        engine.step(decode_plan(engine))  # a graph's capture happens here, untimed
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        out[name] = (time.perf_counter() - t) / iters * 1e3
+            engine.step(decode_plan(engine))
+        out[mode] = (time.perf_counter() - t) / iters * 1e3
     return out
 
 
 @guarded("graph capture, torch backend")
 def try_reference_capture(device) -> None:
-    engine = admitted_engine(lambda: scripted(device), 2, device, kernels="torch")
+    from ..engine import LockstepEngine
+    from ..errors import KernelBackendError
+
     try:
-        PaddedStep(engine, 8, (True, True)).capture()
-        record("graph capture, torch backend", None, "captured")
-    except Exception as exc:
-        torch.cuda.synchronize()
-        record("graph capture, torch backend", None, f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+        LockstepEngine(scripted(device), 2, device=device, kernels="torch", decode_graphs="cuda")
+    except KernelBackendError as exc:
+        record("graph capture, torch backend", True, f"refused by name: {str(exc)[:120]}")
+        return
+    record("graph capture, torch backend", False, "decode_graphs='cuda' with the torch stages was accepted")
 
 
 # -- 3. host syncs ----------------------------------------------------------------------------------
@@ -275,10 +266,9 @@ def summary(timing: dict) -> int:
     for check, status, detail in RESULTS:
         print(f"{check:{width}s}  {status:6s}  {detail}")
     if timing:
-        print(f"\n{'bucket':>8s} {'engine.step ms':>15s} {'eager stages ms':>16s} {'graph replay ms':>16s} {'speedup':>8s}")
+        print(f"\n{'bucket':>8s} {'engine.step ms, eager':>22s} {'engine.step ms, graphs':>23s} {'speedup':>8s}")
         for bucket, t in timing.items():
-            print(f"{bucket:8d} {t['engine.step']:15.3f} {t['eager stages']:16.3f} {t['graph replay']:16.3f} "
-                  f"{t['eager stages'] / max(t['graph replay'], 1e-9):7.1f}x")
+            print(f"{bucket:8d} {t['off']:22.3f} {t['cuda']:23.3f} {t['off'] / max(t['cuda'], 1e-9):7.1f}x")
     failed = [c for c, s, _ in RESULTS if s == "FAIL"]
     print("=" * 100)
     print(f"{len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
@@ -330,7 +320,7 @@ def main(argv=None) -> int:
     small = tuple(b for b in buckets if b <= 8)
     qwen_reqs = None if q is None else (lambda n: qwen_requests(q[1], n))
     if args.cpu_dry_run:
-        run_graphs("scripted", lambda: scripted(device), None, small, device, args.steps, None, use_graphs=False)
+        run_graphs("scripted", lambda: scripted(device), None, small, device, args.steps, None, mode="eager")
         return summary(timing)
     run_graphs("scripted", lambda: scripted(device), None, buckets, device, args.steps, timing)
     if q is not None:

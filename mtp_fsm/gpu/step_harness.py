@@ -1,18 +1,15 @@
-"""Step harness for the GPU checks: models and requests, lockstep plans, padded batch
-buckets with persistent StepBatch buffers (captured as CUDA graphs on a GPU), and labels
-for launch counting.
+"""Step harness for the GPU checks: models and requests, lockstep plans, twin-engine
+comparisons and labels for launch counting.
 
 Drives the engine through its public step phases: `engine.stage(plan) -> HostStep`,
 `engine.run_device(host) -> packed`, `engine.finish(host, packed) -> StepOutput`. The
-engine does not yet own static step buffers, so the padded buckets are built here (see
-PaddedStep for what the engine would need to own).
+padded decode buckets and their CUDA graphs are the engine's own (`decode_graphs`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import types
 
 import torch
 
@@ -116,95 +113,23 @@ def outputs_equal(a, b) -> bool:
             and torch.equal(a.frames.frame_index, b.frames.frame_index) and a.finished == b.finished)
 
 
-class PaddedStep:
-    """Persistent StepBatch buffers for one padded bucket of decode rows (row i <-> token i)
-    and, on CUDA, a captured graph of the engine's device stages over them.
-
-    What the engine must own for this to be its normal path: the ledger writes each step's
-    rows into pinned host buffers, one H2D copy fills these device buffers, padded rows
-    point at the scratch row with is_padding set (and one inert token each)."""
-
-    def __init__(self, engine, bucket: int, filters: tuple[bool, bool]) -> None:
-        from ..kernels.contract import StepBatch
-
-        dev, self.engine, self.bucket = engine.device, engine, bucket
-        self.scratch = engine.table.max_slots
-        arange = torch.arange(bucket, dtype=torch.int64, device=dev)
-        self.batch = StepBatch(
-            idx_mapping=torch.full((bucket,), self.scratch, dtype=torch.int64, device=dev),
-            is_padding=torch.ones(bucket, dtype=torch.bool, device=dev),
-            expected_serial=torch.zeros(bucket, dtype=torch.int64, device=dev),
-            num_scheduled=torch.zeros(bucket, dtype=torch.int64, device=dev),
-            query_start_loc=torch.arange(bucket + 1, dtype=torch.int64, device=dev),
-            token_rows=arange.clone(), token_offsets=torch.zeros(bucket, dtype=torch.int64, device=dev),
-            last_token=arange.clone(), cb0_filters=filters[0], mtp_filters=filters[1],
-        )
-        self.host = types.SimpleNamespace(events=None, admits=None, replay=None, batch=self.batch)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-
-    def run_eager(self) -> torch.Tensor:
-        return self.engine.run_device(self.host)
-
-    def capture(self) -> None:
-        """Warm up (compiles every kernel variant) and capture, while every row is padding
-        (inert: nothing in the table changes)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.run_eager()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph):
-            self.out = self.engine.run_device(self.host)
-
-    def load(self, batch) -> int:
-        """Copy a decode-only StepBatch (one token per real row) into the bucket buffers."""
-        n, b = batch.num_rows, self.batch
-        for dst, src, fill in ((b.idx_mapping, batch.idx_mapping, self.scratch), (b.is_padding, batch.is_padding, True),
-                               (b.expected_serial, batch.expected_serial, 0), (b.num_scheduled, batch.num_scheduled, 0)):
-            dst[:n].copy_(src)
-            dst[n:].fill_(fill)
-        return n
-
-    def replay(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.out
-
-
-class PaddedEngine:
-    """Drives an engine: decode-only steps through a padded bucket (graph replay or eager),
-    everything else (admission, events, prefill) through the engine's own stages."""
-
-    def __init__(self, engine, buckets, use_graphs: bool) -> None:
-        self.engine, self.buckets, self.use_graphs = engine, sorted(buckets), use_graphs
-        self.steppers: dict[tuple, PaddedStep] = {}
-        self.padded_steps = 0
-
-    def stepper(self, rows: int, filters) -> PaddedStep | None:
-        bucket = next((b for b in self.buckets if b >= rows), None)
-        if bucket is None:
-            return None
-        key = (bucket, *filters)
-        if key not in self.steppers:
-            ps = PaddedStep(self.engine, bucket, filters)
-            if self.use_graphs:
-                ps.capture()
-            self.steppers[key] = ps
-        return self.steppers[key]
-
-    def step(self, plan):
-        decode = all(s is None or s.num_tokens == 1 for s in plan.rows)
-        host = self.engine.stage(plan)
-        if decode and host.events is None and host.admits is None and host.batch.num_tokens:
-            ps = self.stepper(host.batch.num_rows, (host.batch.cb0_filters, host.batch.mtp_filters))
-            if ps is not None:
-                n = ps.load(host.batch)
-                out = ps.replay() if self.use_graphs else ps.run_eager()
-                self.padded_steps += 1
-                return self.engine.finish(host, torch.cat([out[:n], out[-1:]]))
-        return self.engine.finish(host, self.engine.run_device(host))
+def live_slots_differ(a, b) -> list[str]:
+    """Columns whose values differ between two engines' live slots: integer columns bit for
+    bit, float columns beyond rounding (a matmul over a padded batch may round differently);
+    free and ended slots may hold values no edge reads (an overrun token's hidden state)."""
+    state = a.table.state[: a.max_slots]
+    live = torch.tensor(sorted(int(s) for s in a.ledger.live_states), dtype=state.dtype, device=state.device)
+    held = torch.nonzero(torch.isin(state, live)).flatten()
+    differ = []
+    for name, column in a.table.columns().items():
+        mine, theirs = column[held], b.table.columns()[name][held]
+        if column.is_floating_point():
+            same = torch.allclose(theirs.float(), mine.float(), rtol=1e-5, atol=1e-6, equal_nan=True)
+        else:
+            same = torch.equal(mine, theirs)
+        if not same:
+            differ.append(name)
+    return differ
 
 
 def decode_plan(engine):
@@ -214,12 +139,13 @@ def decode_plan(engine):
     return StepPlan(rows=next_rows(engine, chunk=1 << 30))
 
 
-def admitted_engine(make_model, rows: int, device, kernels="triton", max_frames: int = 120, make_requests=None):
+def admitted_engine(make_model, rows: int, device, kernels="triton", max_frames: int = 120, make_requests=None,
+                    **engine_kwargs):
     """An engine with `rows` requests admitted and prefilled (next step: pure decode)."""
     from ..engine import LockstepEngine, StepPlan
     from ..testing.runs import next_rows
 
-    engine = LockstepEngine(make_model(), rows, device=device, kernels=kernels)
+    engine = LockstepEngine(make_model(), rows, device=device, kernels=kernels, **engine_kwargs)
     reqs = make_requests(rows) if make_requests else scripted_requests(rows, faults=False, max_frames=max_frames)
     engine.step(StepPlan(new_requests=tuple(reqs)))
     while any(r.num_computed < r.prompt_len for r in engine.ledger.records.values()):
