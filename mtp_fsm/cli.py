@@ -263,27 +263,20 @@ def report_demo(metrics, chunker, num_chunks: int, out: str, title: str) -> None
 
 
 class _Progress:
-    """A one-line progress bar on stderr, redrawn in place with a carriage return."""
-
-    WIDTH = 30
+    """The demo's progress bar on stderr (tqdm): requests finished, with the step and frames."""
 
     def __init__(self, total: int, loop, enabled: bool = True) -> None:
-        self.total, self.loop, self.enabled = max(total, 1), loop, enabled
+        from tqdm import tqdm
+
+        self.loop = loop
+        self.bar = tqdm(total=max(total, 1), unit="req", desc="requests", disable=not enabled, file=sys.stderr)
 
     def update(self, output) -> None:
-        if not self.enabled:
-            return
-        done = self.loop.metrics.num_finished
-        filled = int(self.WIDTH * done / self.total)
-        frames = self.loop.metrics.total_frames
-        bar = "#" * filled + "-" * (self.WIDTH - filled)
-        sys.stderr.write(f"\r[{bar}] {done}/{self.total} done  step {output.step + 1}  frames {frames}  ")
-        sys.stderr.flush()
+        self.bar.update(self.loop.metrics.num_finished - self.bar.n)
+        self.bar.set_postfix(step=output.step + 1, frames=self.loop.metrics.total_frames, refresh=False)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self.bar.close()
 
 
 if __name__ == "__main__":
