@@ -32,7 +32,7 @@ def test_demo_in_process_writes_png_and_jsonl(tmp_path, capsys):
     assert len(frames) == sum(r["num_frames"] for r in finished)
     captured = capsys.readouterr()
     assert "first-frame latency p50" in captured.out and "preemptions" in captured.out
-    assert "\r[" in captured.err and "3/3 done" in captured.err
+    assert "\rrequests: 100%" in captured.err and "3/3" in captured.err and f"frames={len(frames)}" in captured.err
 
 
 def test_demo_with_the_default_tiny_qwen3_tts(tmp_path, capsys):
