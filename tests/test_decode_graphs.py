@@ -16,9 +16,12 @@ from mtp_fsm.engine import LockstepEngine, NewRequest
 from mtp_fsm.errors import KernelBackendError
 from mtp_fsm.sampling import SamplingParams
 from mtp_fsm.testing import ScriptInputs
-from mtp_fsm.testing.alone import scripted_mtp, scripted_mtp_stop_deferred, scripted_single, torch_threads
+from mtp_fsm.testing.alone import (
+    scripted_delay, scripted_mtp, scripted_mtp_stop_deferred, scripted_single, scripted_stop_head, torch_threads,
+)
 
-MODELS = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop_deferred": scripted_mtp_stop_deferred}
+MODELS = {"mtp": scripted_mtp, "single_codebook": scripted_single, "mtp_stop_deferred": scripted_mtp_stop_deferred,
+          "delay_pattern": scripted_delay, "stop_head": scripted_stop_head}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -76,7 +79,7 @@ def _run_pair(plain: LockstepEngine, padded: LockstepEngine, requests, intervent
     return steps
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     model=st.sampled_from(sorted(MODELS)),
     n=st.integers(1, 7),
