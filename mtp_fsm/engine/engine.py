@@ -20,6 +20,7 @@ from ..sampling import describe_fault
 from ..slots import SlotTable
 from .decode_graphs import DEFAULT_BUCKETS, DecodeGraphs, resolve_mode
 from .feed import ConditioningFeed
+from .model_calls import ModelFault, frame_embed_of_words, model_call
 from .ledger import HostStep, Ledger
 from .pipeline import DevicePipeline, deferred_columns
 from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
@@ -39,38 +40,6 @@ def _bind(model: TalkerModel, engine: "LockstepEngine") -> None:
             "engine, which owns its per-slot state (KV cache); build one model per engine, or close() the other"
         )
     _BOUND[model] = weakref.ref(engine)
-
-
-class ModelFault(Exception):
-    """A model call raised inside a step (wraps the model's own exception)."""
-
-
-def _frame_embed_of_words(frame_embed, spec):
-    """frame_embed over the engine's frame rows: a model with a payload gets the payload
-    decoded from the row's words (its codes are the engine's bookkeeping)."""
-    if spec.payload is None:
-        return frame_embed
-    first, payload = spec.num_codebooks, spec.payload
-
-    def embed(words: torch.Tensor) -> torch.Tensor:
-        return frame_embed(payload.decode(words[:, first:]))
-
-    return embed
-
-
-def _model_call(model: TalkerModel, name: str):
-    """A model entry point whose exceptions become ModelFault, so step() can end that step's
-    requests while a kernel bug still surfaces as itself. The method is looked up at each
-    call (profilers and tests may wrap the model's methods after the engine is built)."""
-
-    def call(*args, **kwargs):
-        try:
-            return getattr(model, name)(*args, **kwargs)
-        except Exception as exc:
-            raise ModelFault(exc) from exc
-
-    call.__name__ = name
-    return call
 
 
 class LockstepEngine:
@@ -133,18 +102,18 @@ class LockstepEngine:
         self.scheduler = Scheduler(self.ledger, policy)
         self.feeds = ConditioningFeed(self.ledger, self.kernels, self._lc)
         model.bind_slots(max_slots, self.device, self.table.extra)
-        self._forward = _model_call(model, "forward")
-        self._cb0_logits = _model_call(model, "cb0_logits")
-        self._mtp = _model_call(model, "mtp") if self.spec.has_mtp else None
-        self._frame_embed = _frame_embed_of_words(_model_call(model, "frame_embed"), self.spec)
-        self._text_step = _model_call(model, "text_step")
-        self._reset_slots = _model_call(model, "reset_slots")
+        self._forward = model_call(model, "forward")
+        self._cb0_logits = model_call(model, "cb0_logits")
+        self._mtp = model_call(model, "mtp") if self.spec.has_mtp else None
+        self._frame_embed = frame_embed_of_words(model_call(model, "frame_embed"), self.spec)
+        self._text_step = model_call(model, "text_step")
+        self._reset_slots = model_call(model, "reset_slots")
         self._allowed = self._cb0_allowed()
         speculative = None
         if self.lifecycle.verify_loop:
             speculative = SpeculativeStep(
                 self.spec, self.kernels, self.table, self._lc,
-                (self._forward, self._cb0_logits, _model_call(model, "draft"), self._frame_embed, self._text_step),
+                (self._forward, self._cb0_logits, model_call(model, "draft"), self._frame_embed, self._text_step),
                 self._allowed, speculate)
         self._pipeline = DevicePipeline(
             self.spec, self.lifecycle, self.kernels, self.table, self._lc,
