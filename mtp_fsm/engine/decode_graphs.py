@@ -137,9 +137,13 @@ class DecodeGraphs:
         return (self.mode != "off" and host.events is None and host.admits is None and not batch.has_prefill
                 and batch.num_tokens == batch.num_rows and 0 < batch.num_rows <= self.buckets[-1])
 
+    def key(self, batch: StepBatch) -> tuple:
+        """(bucket, host facts): which BucketStep a batch runs on (built, captured, on first use)."""
+        return next(b for b in self.buckets if b >= batch.num_rows), host_facts(batch)
+
     def run(self, batch: StepBatch) -> torch.Tensor:
-        bucket = next(b for b in self.buckets if b >= batch.num_rows)
-        key = (bucket, host_facts(batch))
+        key = self.key(batch)
+        bucket = key[0]
         step = self.steps.get(key)
         if step is None:
             step = BucketStep(bucket, self.scratch, batch, self.device)

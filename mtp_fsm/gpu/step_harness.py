@@ -141,10 +141,12 @@ def decode_plan(engine):
 
 def admitted_engine(make_model, rows: int, device, kernels="triton", max_frames: int = 120, make_requests=None,
                     **engine_kwargs):
-    """An engine with `rows` requests admitted and prefilled (next step: pure decode)."""
+    """An engine with `rows` requests admitted and prefilled (next step: pure decode);
+    decode graphs off unless engine_kwargs say otherwise (launch counts are of eager steps)."""
     from ..engine import LockstepEngine, StepPlan
     from ..testing.runs import next_rows
 
+    engine_kwargs.setdefault("decode_graphs", "off")
     engine = LockstepEngine(make_model(), rows, device=device, kernels=kernels, **engine_kwargs)
     reqs = make_requests(rows) if make_requests else scripted_requests(rows, faults=False, max_frames=max_frames)
     engine.step(StepPlan(new_requests=tuple(reqs)))

@@ -43,7 +43,9 @@ class FsmWorker(WorkerBase):
         if self.model_config.max_model_len > talker.model.spec.max_context:
             raise ValueError(f"max_model_len {self.model_config.max_model_len} exceeds the talker's KV context "
                              f"{talker.model.spec.max_context} positions per slot")
-        self.engine = LockstepEngine(talker.model, max_slots, kernels=config.kernels, device=self.device)
+        # vLLM owns CUDA-graph capture of its steps: the engine's own decode graphs stay off.
+        self.engine = LockstepEngine(talker.model, max_slots, kernels=config.kernels, device=self.device,
+                                     decode_graphs="off")
         self.mapper = ScheduleMapper(self.engine, config.stop_token_id, type(talker.text_inputs("a")))
 
     def get_model(self) -> torch.nn.Module:

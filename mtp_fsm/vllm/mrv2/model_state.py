@@ -72,7 +72,9 @@ class FsmModelState(DefaultModelState):
         if self.max_model_len > spec.max_context:
             raise UnsupportedConfigError(f"max_model_len {self.max_model_len} exceeds the talker's KV context "
                                          f"{spec.max_context} positions per slot")
-        self.engine = LockstepEngine(talker.model, self.max_num_reqs, device=device, kernels=config.kernels)
+        # Model Runner V2 owns CUDA-graph capture: the engine's own decode graphs stay off.
+        self.engine = LockstepEngine(talker.model, self.max_num_reqs, device=device, kernels=config.kernels,
+                                     decode_graphs="off")
         self.inputs_type = type(talker.text_inputs("a"))
         self.bridge = MRV2Bridge(self.engine, config.stop_token_id)
         # One address for every step and for graph capture (vLLM's forward only slices it).
