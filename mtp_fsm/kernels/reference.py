@@ -246,6 +246,7 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     seed, frame_index = table.seed[slot], table.num_frames[slot]
     key = frame_key(seed, frame_index)  # shared by the frame's Q-1 codebooks
     drawn: dict[int, torch.Tensor | None] = {}  # vocab -> noise of codebooks 1..Q-1
+    highest = [-1]  # the highest codebook sampled so far
 
     def noise_for(codebook: int, vocab: int) -> torch.Tensor | None:
         count = table.num_codebooks - 1
@@ -270,9 +271,14 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
             logits, t, k, p, seed, frame_index, codebook, apply_filters=filters, key=key, top_k_max=k_max,
             any_top_p=any_p, top_k_min=k_min, noise=noise_for(codebook, logits.shape[-1]),
         )
-        # Keep the lowest bad codebook, whatever order the hook samples them in.
-        first = (kind != 0) & ((faults == 0) | ((faults >> FAULT_CODEBOOK_SHIFT) > int(codebook)))
-        faults.copy_(torch.where(first, kind | (int(codebook) << FAULT_CODEBOOK_SHIFT), faults))
+        # Keep the lowest bad codebook, whatever order the hook samples them in. Above every
+        # codebook sampled so far (host-known), a recorded fault is lower: keep the first.
+        if codebook > highest[0]:
+            first = (kind != 0) & (faults == 0)
+            highest[0] = codebook
+        else:
+            first = (kind != 0) & ((faults == 0) | ((faults >> FAULT_CODEBOOK_SHIFT) > int(codebook)))
+        torch.where(first, kind | (int(codebook) << FAULT_CODEBOOK_SHIFT), faults, out=faults)
         return tokens
 
     return sample, faults
