@@ -152,10 +152,10 @@ LIFECYCLE_DESIGNS = ("engine", "transitions", "dict_loop")
 
 def make_drivers(model_factory, requests: Sequence[BenchRequest], names: Sequence[str] = LIFECYCLE_DESIGNS) -> dict:
     """One driver per design, each with its own model instance from `model_factory()`."""
-    return {name: design(name)(model_factory(), requests) for name in names}
+    return {name: driver_class(name)(model_factory(), requests) for name in names}
 
 
-def design(name: str):
+def driver_class(name: str):
     """The driver class of a design name (DRIVERS or EXTRA_DRIVERS)."""
     return DRIVERS.get(name) or EXTRA_DRIVERS[name]
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from .._util.stats import percentile
 from .counters import StepCounter
-from .drivers import DRIVERS, check_same_frames, design, make_requests
+from .drivers import DRIVERS, check_same_frames, driver_class, make_requests
 from .null_model import NullConfig, NullInputs, NullTalker
 
 PROMPT_LEN = 4
@@ -62,7 +62,7 @@ def bench_batch(
     """
     requests = make_requests(batch, NullInputs(PROMPT_LEN))
     drivers, counters, setup_s, admit_s, first = {}, {}, {}, {}, {}
-    tracked = {name: getattr(design(name), "countable", True) for name in designs}
+    tracked = {name: getattr(driver_class(name), "countable", True) for name in designs}
 
     def tracking(name: str):
         return counters[name].tracking() if tracked[name] else contextlib.nullcontext()
@@ -72,7 +72,7 @@ def bench_batch(
         with tracking(name):
             model = NullTalker(config)
             t0 = time.perf_counter()
-            drivers[name] = design(name)(model, requests)
+            drivers[name] = driver_class(name)(model, requests)
             setup_s[name] = time.perf_counter() - t0
             t0 = time.perf_counter()
             out = drivers[name].admit()

@@ -17,18 +17,19 @@ MODES = ("auto", "off", "eager", "cuda")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def resolve_mode(mode: str, device: torch.device, kernels_name: str, decode_width: int) -> str:
+def resolve_mode(mode: str, device: torch.device, kernels, decode_width: int) -> str:
     """"auto": CUDA graphs where they can run (a CUDA device, Triton kernels, one token per
     decode row), else off. "eager": the padded buffers without capture (what a graph replays,
     runnable anywhere: the CPU check of this path). "cuda" refuses what cannot be captured."""
     if mode not in MODES:
         raise KernelBackendError(f"unknown decode_graphs mode {mode!r}; choose one of {MODES}")
-    capturable = device.type == "cuda" and kernels_name == "triton_kernels"
+    capturable = device.type == "cuda" and getattr(kernels, "CUDA_GRAPHS", False)
     if mode == "auto":
         return "cuda" if capturable and decode_width == 1 else "off"
     if mode == "cuda" and not capturable:
         raise KernelBackendError(
-            f"decode_graphs='cuda' needs a CUDA device and the Triton kernels (device {device}, kernels {kernels_name}): "
+            f"decode_graphs='cuda' needs a CUDA device and the Triton kernels (device {device}, kernels "
+            f"{kernels.__name__}): "
             "the torch reference stages read host values on purpose (candidate sampling) and cannot be captured")
     if mode != "off" and decode_width != 1:
         raise KernelBackendError(f"decode_graphs={mode!r} runs one token per decode row; speculative decoding "
@@ -49,8 +50,9 @@ class BucketStep:
     """One bucket's persistent StepBatch (row i <-> token i; padding rows point at the scratch
     row, one inert token each), and on CUDA the captured graph of the device stages over it."""
 
-    def __init__(self, bucket: int, scratch: int, like: StepBatch, device: torch.device) -> None:
-        self.bucket, self.scratch = bucket, scratch
+    def __init__(self, bucket: int, scratch: int, like: StepBatch, device: torch.device,
+                 run: Callable[[StepBatch], torch.Tensor]) -> None:
+        self.bucket, self.scratch, self._run = bucket, scratch, run
         arange = torch.arange(bucket, dtype=torch.int64, device=device)
         facts = dict(zip(HOST_FACTS, host_facts(like)))
         self.batch = StepBatch(
@@ -83,7 +85,7 @@ class BucketStep:
             b.num_scheduled[n:self._rows].fill_(0)
         self._loaded, self._rows = batch, n
 
-    def capture(self, run: Callable[[StepBatch], torch.Tensor]) -> None:
+    def capture(self) -> None:
         """Warm up (first-call compilation, lazy tables) and capture while every row is padding:
         inert, so warm-up and capture change nothing a request owns."""
         self.load_padding()
@@ -91,11 +93,11 @@ class BucketStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                run(self.batch)
+                self._run(self.batch)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.out = run(self.batch)
+            self.out = self._run(self.batch)
         self.graph = graph
 
     def load_padding(self) -> None:
@@ -106,13 +108,13 @@ class BucketStep:
         b.num_scheduled.zero_()
         self._loaded, self._rows = None, 0
 
-    def run(self, run: Callable[[StepBatch], torch.Tensor], rows: int) -> torch.Tensor:
+    def run(self, rows: int) -> torch.Tensor:
         """The step over the loaded rows: packed output of the real rows + the global row."""
         if self.graph is not None:
             self.graph.replay()
             out = self.out
         else:
-            out = run(self.batch)
+            out = self._run(self.batch)
         return out if rows == self.bucket else torch.cat([out[:rows], out[-1:]])
 
 
@@ -134,7 +136,7 @@ class DecodeGraphs:
 
     def eligible(self, host) -> bool:
         batch = host.batch
-        return (self.mode != "off" and host.events is None and host.admits is None and not batch.has_prefill
+        return (host.events is None and host.admits is None and not batch.has_prefill
                 and batch.num_tokens == batch.num_rows and 0 < batch.num_rows <= self.buckets[-1])
 
     def key(self, batch: StepBatch) -> tuple:
@@ -143,20 +145,19 @@ class DecodeGraphs:
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         key = self.key(batch)
-        bucket = key[0]
         step = self.steps.get(key)
         if step is None:
-            step = BucketStep(bucket, self.scratch, batch, self.device)
+            step = BucketStep(key[0], self.scratch, batch, self.device, self._run)
             if self.mode == "cuda":
                 self._capture(key, step)
             self.steps[key] = step
         step.load(batch)
         self.replays += 1
-        return step.run(self._run, batch.num_rows)
+        return step.run(batch.num_rows)
 
     def _capture(self, key: tuple, step: BucketStep) -> None:
         try:
-            step.capture(self._run)
+            step.capture()
         except Exception as exc:  # e.g. a model hook that reads a device value on the host
             torch.cuda.synchronize(self.device)
             step.graph, step.out = None, None

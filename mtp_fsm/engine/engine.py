@@ -120,7 +120,7 @@ class LockstepEngine:
             (self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step), self._allowed, self.device,
             speculative,
         )
-        mode = resolve_mode(decode_graphs, self.device, self.kernels.__name__.rsplit(".", 1)[-1], 1 + speculate)
+        mode = resolve_mode(decode_graphs, self.device, self.kernels, 1 + speculate)
         self.graphs = None if mode == "off" else DecodeGraphs(
             mode, graph_buckets, self.table.max_slots, self.device, self._pipeline.run, strict=decode_graphs == "cuda")
         self.step_count = 0

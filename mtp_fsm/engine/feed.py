@@ -81,11 +81,10 @@ class ConditioningFeed:
         for record in ledger.records.values() if records is None else records:
             if record.slot is None:
                 continue
-            state = ledger.sync(record).state
-            ready = record.has_feed_row(needed_row(record))
-            trigger = (Trigger.STARVE if state is State.DECODING and not ready
-                       else Trigger.FEED if state is State.STARVED and ready else None)
-            if trigger is None:
+            ledger.sync(record)
+            # Which one, if any, may fire from the request's state is the spec's to say.
+            trigger = Trigger.FEED if record.has_feed_row(needed_row(record)) else Trigger.STARVE
+            if not ledger.oracle.may(record.fsm, trigger):
                 continue
             ledger.oracle.fire(record.fsm, trigger)
             ledger.slot_state[record.slot] = int(record.fsm.code)

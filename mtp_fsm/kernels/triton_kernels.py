@@ -45,6 +45,9 @@ from .contract import (  # noqa: F401  (re-exported: the packed output layout)
 from .triton_sampling import MAX_VOCAB
 
 ADMIT_COLUMNS_PER_LAUNCH = 12
+# No stage reads a device value on the host: a decode step can be captured as a CUDA graph
+# (engine/decode_graphs.py; the torch reference's candidate sampler reads one on purpose).
+CUDA_GRAPHS = True
 ROW_BLOCK = 128
 
 

@@ -45,6 +45,9 @@ class Expected:
     finished: Counter = attrs.field(factory=Counter)
     row_triggers: list[tuple[str | None, tuple[Trigger, ...]]] = attrs.field(factory=list)
     num_tokens: int = 0
+    # Live rows that computed a non-final prompt chunk / that finished their prompt (sampled).
+    prefill_rows: int = 0
+    sampling_rows: int = 0
     # Requests the step boundary moved to `starved` / back to `decoding` (conditioning feed).
     starved: list[str] = attrs.field(factory=list)
     fed: list[str] = attrs.field(factory=list)
@@ -207,6 +210,8 @@ class OracleDriver:
         done = prompt_done(r.num_computed, span.num_tokens, r.prompt_len)
         if live:
             r.num_computed += span.num_tokens
+            exp.sampling_rows += done
+            exp.prefill_rows += not done
         outcome = self._outcome(r) if live and done else {}
         edges: list[tuple[Trigger, State]] = []  # every edge the row fired: (trigger, source)
         for phase in Phase:

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ..engine import LockstepEngine, Span, StepPlan
-from ..lifecycle import State, Trigger
+from ..lifecycle import State
 from ..model_api import ModelSpec
 from .alone import ModelFactory, RequestDef, scripted_mtp, scripted_single
 from .bad_inputs import WAITING_KINDS, bad_plans
@@ -97,9 +97,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.stats["batched_steps"] += len(expected.frames) >= 2  # isolation is really at stake
         self.stats["starves"] += len(expected.starved)
         self.stats["feeds"] += len(expected.fed)
-        kinds = {t[0] for _, t in expected.row_triggers if t}
-        self.stats["mixed_steps"] += {Trigger.PREFILL, Trigger.SAMPLE} <= kinds or (
-            Trigger.SAMPLE in kinds and any(r is None for r in plan.rows))
+        self.stats["mixed_steps"] += expected.sampling_rows > 0 and (
+            expected.prefill_rows > 0 or any(r is None for r in plan.rows))
 
     # -- host events (staged for the next plan) ------------------------------------------
 
