@@ -55,6 +55,8 @@ class ChatterboxConfig:
             raise ValueError(f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads")
         if self.activation_function not in ACTIVATIONS:
             raise ValueError(f"activation_function {self.activation_function!r} not in {ACTIVATIONS}")
+        if self.batch_invariant and self.activation_function == "gelu":
+            raise ValueError("activation_function 'gelu' (erf) has no batch-invariant form; use 'gelu_new'")
         if not 0 < self.max_context <= self.n_positions:
             # Learned absolute positions: there is no embedding beyond n_positions.
             raise ValueError(f"max_context {self.max_context} must be in (0, n_positions={self.n_positions}]")

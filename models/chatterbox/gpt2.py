@@ -8,16 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_fsm import invariant
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms and softmax run in at least float32 (float64 stays float64 for exact tests)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _row_invariant_matmul(x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
-    # BLAS picks different kernels for one row and for many, so a row's bits would depend
-    # on the batch; a broadcast product reduced along its (contiguous) last axis does not.
-    return (x.unsqueeze(-2) * weight_out_in).sum(-1)
 
 
 class Conv1D(nn.Module):
@@ -31,7 +27,7 @@ class Conv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            return _row_invariant_matmul(x, self.weight.t().contiguous()) + self.bias
+            return invariant.matmul(x, self.weight) + self.bias
         return F.linear(x, self.weight.t(), self.bias)
 
 
@@ -45,8 +41,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
-        y = _row_invariant_matmul(x, self.weight)
-        return y if self.bias is None else y + self.bias
+        return invariant.linear(x, self.weight, self.bias)
 
 
 class LayerNorm(nn.Module):
@@ -60,13 +55,16 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.to(compute_dtype(x.dtype))
-        h = h - h.mean(-1, keepdim=True)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Fixed-order means: the same bits on every CPU kernel set (mtp_fsm.invariant).
+        h = invariant.rms_norm(h - invariant.mean(h, -1, keepdim=True), self.eps)
         return (h * self.weight.to(h.dtype) + self.bias.to(h.dtype)).to(x.dtype)
 
 
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    # HF "gelu_new" is the tanh approximation; "gelu" the exact erf form.
+def activation(name: str, x: torch.Tensor, bi: bool = False) -> torch.Tensor:
+    # HF "gelu_new" is the tanh approximation; "gelu" the exact erf form (the config refuses
+    # it with batch_invariant: mtp_fsm.invariant has no erf).
+    if bi:
+        return invariant.gelu_tanh(x)
     return F.gelu(x, approximate="none" if name == "gelu" else "tanh")
 
 
@@ -98,13 +96,14 @@ class Attention(nn.Module):
         keys = torch.where(keep, cache_k[write_slot].to(q.dtype), zero).movedim(-3, -2)  # [T, nh, C, D]
         vals = torch.where(keep, cache_v[write_slot].to(q.dtype), zero).movedim(-3, -2)
         if self.bi:
-            scores = (q.unsqueeze(-2) * keys).sum(-1)  # [T, nh, C]
+            scores = invariant.tree_sum(q.unsqueeze(-2) * keys, -1)  # [T, nh, C]
         else:
             scores = (q.unsqueeze(-2) @ keys.transpose(-1, -2)).squeeze(-2)
         scores = (scores * self.scaling).masked_fill(~mask[:, None, :], float("-inf"))
-        probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
+        softmax = invariant.softmax if self.bi else torch.softmax
+        probs = softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
         if self.bi:
-            out = (probs.unsqueeze(-2) * vals.transpose(-1, -2).contiguous()).sum(-1)  # [T, nh, D]
+            out = invariant.tree_sum(probs.unsqueeze(-2) * vals.transpose(-1, -2), -1)  # [T, nh, D]
         else:
             out = (probs.unsqueeze(-2) @ vals).squeeze(-2)
         return self.c_proj(out.flatten(-2))
@@ -117,10 +116,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = Conv1D(hidden, inner, bi)
         self.c_proj = Conv1D(inner, hidden, bi)
-        self.act = act
+        self.act, self.bi = act, bi
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(activation(self.act, self.c_fc(x)))
+        return self.c_proj(activation(self.act, self.c_fc(x), self.bi))
 
 
 class Block(nn.Module):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.qwen3_tts.layers import DecoderLayer, RMSNorm, run_over_slots
+from mtp_fsm import invariant
 
 from .config import HiggsAudioV3Config
 
@@ -108,8 +109,7 @@ class HiggsAudioV3Root(nn.Module):
         size = self.cfg.codebook_size
         weight = self.audio_table.weight[: n * size]
         if self.cfg.batch_invariant:
-            # The elementwise form reduces every row the same way (see qwen3_tts Linear).
-            logits = (hidden.unsqueeze(-2) * weight).sum(-1)
+            logits = invariant.linear(hidden, weight)  # mtp_fsm.invariant: a row's bits alone
         else:
             logits = F.linear(hidden, weight)
         return logits.view(hidden.shape[0], n, size)

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.qwen3_tts.layers import Linear, compute_dtype
+from models.qwen3_tts.layers import Linear, compute_dtype, rope_angles
+from mtp_fsm import invariant
 
 from .config import LocalTransformerConfig
 
@@ -26,8 +27,8 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = compute_dtype(x.dtype)
         h = x.to(ct)
-        centred = h - h.mean(-1, keepdim=True)
-        h = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Fixed-order means: the same bits on every CPU kernel set (mtp_fsm.invariant).
+        h = invariant.rms_norm(h - invariant.mean(h, -1, keepdim=True), self.eps)
         return (h * self.weight.to(ct) + self.bias.to(ct)).to(x.dtype)
 
 
@@ -35,10 +36,8 @@ def interleaved_rope_tables(num_positions: int, head_dim: int, base: float, dtyp
                             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [num_positions, head_dim] for GPT-J style RoPE: frequency i drives the pair
     (2i, 2i+1), i.e. the tables are repeat_interleave(2) of the per-pair angles."""
-    ct = compute_dtype(dtype)
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(ct) / head_dim))
-    freqs = torch.arange(num_positions, dtype=ct, device=device)[:, None] * inv_freq[None, :]
-    return freqs.cos().repeat_interleave(2, dim=-1).to(dtype), freqs.sin().repeat_interleave(2, dim=-1).to(dtype)
+    cos, sin = invariant.cos_sin(rope_angles(num_positions, head_dim, base, compute_dtype(dtype)))
+    return (cos.repeat_interleave(2, dim=-1).to(dtype).to(device), sin.repeat_interleave(2, dim=-1).to(dtype).to(device))
 
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +51,7 @@ class LocalAttention(nn.Module):
 
     def __init__(self, hidden: int, heads: int, bi: bool):
         super().__init__()
-        self.hidden, self.heads, self.head_dim = hidden, heads, hidden // heads
+        self.hidden, self.heads, self.head_dim, self.bi = hidden, heads, hidden // heads, bi
         self.scaling = self.head_dim**-0.5
         self.c_attn = Linear(hidden, 3 * hidden, True, bi)
         self.c_proj = Linear(hidden, hidden, True, bi)
@@ -67,9 +66,10 @@ class LocalAttention(nn.Module):
         cache.append((k, v))
         keys = torch.stack([kv[0] for kv in cache], dim=-1)  # [B, heads, head_dim, S]
         vals = torch.stack([kv[1] for kv in cache], dim=-1)
-        scores = (q.unsqueeze(-1) * keys).transpose(-1, -2).sum(-1) * self.scaling  # [B, heads, S]
-        probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
-        out = (probs.unsqueeze(-2) * vals).sum(-1)  # [B, heads, head_dim]
+        scores = invariant.tree_sum((q.unsqueeze(-1) * keys).transpose(-1, -2), -1) * self.scaling  # [B, heads, S]
+        softmax = invariant.softmax if self.bi else torch.softmax
+        probs = softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
+        out = invariant.tree_sum(probs.unsqueeze(-2) * vals, -1)  # [B, heads, head_dim]
         return self.c_proj(out.reshape(rows, self.hidden))
 
 
@@ -78,9 +78,10 @@ class LocalMLP(nn.Module):
         super().__init__()
         self.fc_in = Linear(hidden, inner, True, bi)
         self.fc_out = Linear(inner, hidden, True, bi)
+        self.act = invariant.silu if bi else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.silu(self.fc_in(x)))
+        return self.fc_out(self.act(self.fc_in(x)))
 
 
 class LocalBlock(nn.Module):

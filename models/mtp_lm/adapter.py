@@ -7,6 +7,7 @@ import torch
 from models.module_init import materialize, seeded_normal_init
 from models.qwen3_tts.layers import Linear, RMSNorm, rope_tables
 from models.slot_cache import SlotKVCache
+from mtp_fsm import invariant
 from mtp_fsm.model_api import DraftChooser, DraftInputs, ModelSpec, PreparedPrompt, TalkerModel
 
 from .config import ByteTokenizer, MtpLMConfig, MtpLMInputs
@@ -125,7 +126,7 @@ class MtpLMTalker(SlotKVCache, TalkerModel):
         first.v_proj.weight[0, _BOS_DIM] = 1.0
         # BOS's value is its marker after layer 0's input RMSNorm (weight 1): computed exactly.
         bos_row = emb[cfg.bos_token_id].float()
-        bos_normed = _BOS_VALUE * torch.rsqrt(bos_row.pow(2).mean() + cfg.rms_norm_eps)
+        bos_normed = _BOS_VALUE * torch.rsqrt(invariant.mean(bos_row * bos_row) + cfg.rms_norm_eps)
         first.o_proj.weight[_PROGRESS_DIM, 0] = _CONST_VALUE * (stop + 1) / bos_normed
         for layer in m.model.layers[: cfg.num_hidden_layers]:
             layer.mlp.down_proj.weight.mul_(_LAYER_GAIN)

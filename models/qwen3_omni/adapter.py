@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from models.module_init import materialize, seeded_normal_init
 from models.slot_cache import SlotKVCache
+from mtp_fsm import invariant
 from mtp_fsm.model_api import (
     FEED_COUNT,
     FEED_DONE,
@@ -130,9 +130,9 @@ class Qwen3OmniTalker(SlotKVCache, TalkerModel):
         special = self.thinker_special_rows.double()
         units = fc1.weight.shape[0]
         for unit, row, value in ((units - 1, special[2], _PAD_FLAG), (units - 2, special[1], _EOS_FLAG)):
-            fc1.weight[unit] = (_SHARPNESS * row / row.dot(row)).to(fc1.weight.dtype)
+            fc1.weight[unit] = (_SHARPNESS * row / invariant.tree_sum(row * row)).to(fc1.weight.dtype)
             fc1.bias[unit] = -_SHARPNESS * _THRESHOLD
-            fire = F.silu(fc1(row.to(fc1.weight.dtype))[unit].double())
+            fire = invariant.silu(fc1(row.to(fc1.weight.dtype))[unit].double())
             fc2.weight[:, unit] = 0
             fc2.weight[d, unit] = (value / fire).to(fc2.weight.dtype)
         t.codec_head.weight[cfg.codec_eos_token_id] = 0

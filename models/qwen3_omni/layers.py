@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.qwen3_tts.layers import MLP, Attention, Linear, RMSNorm, compute_dtype
+from mtp_fsm import invariant
 
 
 class TopKRouter(nn.Module):
@@ -23,12 +24,13 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (router logits [T, E], top-k weights [T, k] in x.dtype, top-k expert ids [T, k])."""
-        # The batch-invariant form reduces every row the same way (see qwen3_tts Linear).
-        logits = (x.unsqueeze(-2) * self.weight).sum(-1) if self.bi else F.linear(x, self.weight)
-        probs = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
+        # The batch-invariant form reduces every row the same way (mtp_fsm.invariant).
+        logits = invariant.linear(x, self.weight) if self.bi else F.linear(x, self.weight)
+        softmax = invariant.softmax if self.bi else torch.softmax
+        probs = softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+            top_w = top_w / (invariant.tree_sum(top_w, -1, keepdim=True) if self.bi else top_w.sum(dim=-1, keepdim=True))
         return logits, top_w.to(x.dtype), top_idx
 
 
@@ -51,6 +53,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(MLP(hidden, moe_intermediate, bi) for _ in range(num_experts))
         self.shared_expert = MLP(hidden, shared_intermediate, bi)
         self.shared_expert_gate = Linear(hidden, 1, False, bi)
+        self.bi = bi
 
     def routing(self, x: torch.Tensor) -> torch.Tensor:
         """Dense routing weights [T, E]: the renormalised top-k probabilities, 0 elsewhere."""
@@ -68,9 +71,10 @@ class SparseMoeBlock(nn.Module):
             hit = top_idx == e  # [T, k]; at most one True per row
             weight = (top_w * hit).sum(-1, keepdim=True)
             out = out + torch.where(hit.any(-1, keepdim=True), expert(flat) * weight, zero)
-        # torch.sigmoid over a [T, 1] column is not row-invariant on CPU (the SIMD body and the
-        # scalar tail round differently); over full [T, H] rows every row is treated alike.
-        gate = torch.sigmoid(self.shared_expert_gate(flat).expand_as(flat).contiguous())
+        if self.bi:  # torch.sigmoid's SIMD body and scalar tail round differently (mtp_fsm.invariant)
+            gate = invariant.sigmoid(self.shared_expert_gate(flat))
+        else:
+            gate = torch.sigmoid(self.shared_expert_gate(flat).expand_as(flat).contiguous())
         shared = gate * self.shared_expert(flat)
         return (out + shared).reshape(*lead, x.shape[-1])
 

@@ -25,6 +25,7 @@ from typing import Callable
 import attrs
 import torch
 
+from models.module_init import seeded_normal
 from models.qwen3_tts.prompt import ByteTextTokenizer
 
 from .config import Qwen3OmniConfig
@@ -48,7 +49,7 @@ STAND_IN = ThinkerStandIn()
 @functools.lru_cache(maxsize=8)
 def _table(width: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(STAND_IN.seed)
-    return torch.randn(STAND_IN.vocab_size, width, generator=gen, dtype=torch.float32) * STAND_IN.std
+    return seeded_normal((STAND_IN.vocab_size, width), gen) * STAND_IN.std
 
 
 def thinker_table(width: int) -> torch.Tensor:

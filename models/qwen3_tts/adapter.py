@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from models.module_init import materialize, seeded_normal_init
 from models.slot_cache import SlotKVCache
+from mtp_fsm import invariant
 from mtp_fsm.model_api import CodebookSampler, ColumnSpec, ModelSpec, PreparedPrompt, TalkerModel
 
 from .config import Qwen3TTSConfig
@@ -99,8 +99,8 @@ class Qwen3TTSTalker(SlotKVCache, TalkerModel):
             layer.mlp.down_proj.weight[d] = 0
         pad_row = t.model.text_embedding.weight[cfg.tts_pad_token_id]
         pad_row.mul_(300.0)
-        act = F.silu(t.text_projection.linear_fc1(pad_row))
-        t.text_projection.linear_fc2.weight[d] = act * (_FLAG_VALUE / act.dot(act))
+        act = invariant.silu(t.text_projection.linear_fc1(pad_row))
+        t.text_projection.linear_fc2.weight[d] = act * (_FLAG_VALUE / invariant.tree_sum(act * act))
         t.text_projection.linear_fc2.bias[d] = 0
         t.codec_head.weight[cfg.codec_eos_token_id] = 0
         t.codec_head.weight[cfg.codec_eos_token_id, d] = _EOS_GAIN

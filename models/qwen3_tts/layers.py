@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_fsm import invariant
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms, softmax and RoPE run in at least float32 (float64 stays float64 for exact tests)."""
@@ -22,12 +24,10 @@ class Linear(nn.Linear):
         self.batch_invariant = batch_invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # BLAS matmul uses different kernels for one row and for many, so a row's bits
-        # depend on the batch; the elementwise form reduces every row the same way.
+        # BLAS picks kernels by shape and CPU, so a row's bits would depend on the batch.
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
-        y = (x.unsqueeze(-2) * self.weight).sum(-1)
-        return y if self.bias is None else y + self.bias
+        return invariant.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -37,9 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(compute_dtype(x.dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # A fixed-order mean: the same bits on every CPU kernel set (mtp_fsm.invariant).
+        return self.weight * invariant.rms_norm(x.to(compute_dtype(x.dtype)), self.eps).to(x.dtype)
 
 
 def rope_tables(num_positions: int, head_dim: int, theta: float, dtype: torch.dtype,
@@ -50,12 +49,17 @@ def rope_tables(num_positions: int, head_dim: int, theta: float, dtype: torch.dt
     for audio-only talker sequences all three equal the token position, so every
     frequency sees the same angle and MRoPE reduces exactly to this 1-D table.
     """
-    ct = compute_dtype(dtype)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(ct) / head_dim))
-    pos = torch.arange(num_positions, dtype=ct, device=device)
-    freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    emb = rope_angles(num_positions, head_dim, theta, compute_dtype(dtype))
+    cos, sin = invariant.cos_sin(torch.cat([emb, emb], dim=-1))
+    return cos.to(dtype).to(device), sin.to(dtype).to(device)
+
+
+def rope_angles(num_positions: int, head_dim: int, theta: float, ct: torch.dtype) -> torch.Tensor:
+    """position * inv_freq [num_positions, head_dim / 2] in `ct`, upstream's op order; the
+    powers come from Python's libm, not torch's per-kernel-set pow (mtp_fsm.invariant)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(ct) / head_dim
+    inv_freq = 1.0 / invariant.pow_table(theta, exponents)
+    return torch.arange(num_positions, dtype=ct)[:, None] * inv_freq[None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,16 +104,16 @@ class Attention(nn.Module):
         keys = keys.movedim(-3, -2)  # [..., KV, C, D]
         vals = vals.movedim(-3, -2)
         if self.bi:
-            # Reductions along the last axis only: a row's bits do not depend on the batch
-            # (BLAS picks different kernels for one row and for many).
+            # Fixed-order reductions (mtp_fsm.invariant): a row's bits do not depend on the batch.
             # Query group g of KV head h meets KV head h: [..., KV, G, 1, D] x [..., KV, 1, C, D].
-            scores = (q.unsqueeze(-2) * keys.unsqueeze(-3)).sum(-1)  # [..., KV, G, C]
+            scores = invariant.tree_sum(q.unsqueeze(-2) * keys.unsqueeze(-3), -1)  # [..., KV, G, C]
         else:
             scores = q @ keys.transpose(-1, -2)
         scores = (scores * self.scaling).masked_fill(~mask[..., None, None, :], float("-inf"))
-        probs = torch.softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
+        softmax = invariant.softmax if self.bi else torch.softmax
+        probs = softmax(scores.to(compute_dtype(scores.dtype)), dim=-1).to(q.dtype)
         if self.bi:
-            out = (probs.unsqueeze(-2) * vals.transpose(-1, -2).unsqueeze(-3)).sum(-1)  # [..., KV, G, D]
+            out = invariant.tree_sum(probs.unsqueeze(-2) * vals.transpose(-1, -2).unsqueeze(-3), -1)  # [..., KV, G, D]
         else:
             out = probs @ vals
         return self.o_proj(out.flatten(-3))
@@ -165,9 +169,10 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, False, bi)
         self.up_proj = Linear(hidden, intermediate, False, bi)
         self.down_proj = Linear(intermediate, hidden, False, bi)
+        self.act = invariant.silu if bi else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

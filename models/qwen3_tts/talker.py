@@ -15,6 +15,8 @@ from torch import nn
 from mtp_fsm.model_api import CodebookSampler
 
 from .config import CodePredictorConfig, Qwen3TTSConfig
+from mtp_fsm import invariant
+
 from .layers import DecoderLayer, Linear, RMSNorm, run_over_slots
 
 
@@ -47,9 +49,10 @@ class ResizeMLP(nn.Module):
         super().__init__()
         self.linear_fc1 = Linear(d_in, d_mid, True, bi)
         self.linear_fc2 = Linear(d_mid, d_out, True, bi)
+        self.act = invariant.silu if bi else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class CodePredictorModel(nn.Module):

@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.module_init import materialize, seeded_normal_init
+from models.module_init import materialize, seeded_normal, seeded_normal_init
 from models.qwen3_tts.layers import Linear, RMSNorm
 from models.slot_cache import SlotKVCache
+from mtp_fsm import invariant
 
 from .config import AUDIO_START_TOKEN, BYTE_OFFSET, VoxCPM2Config
 from .local import ScalarQuantizationLayer, UnifiedCFM, VoxCPMLocDiTV2, VoxCPMLocEnc
@@ -74,7 +75,7 @@ class VoxCPM2Core(SlotKVCache):
                            norms=(RMSNorm,))
         gen = torch.Generator().manual_seed(seed + 1)
         token = self.module.feat_encoder.special_token
-        token.copy_(torch.randn(token.shape, generator=gen))
+        token.copy_(seeded_normal(token.shape, gen))
 
     def _kv_layout(self) -> tuple[int, int, int, int]:
         lm = self.config.lm_config
@@ -132,7 +133,8 @@ class VoxCPM2Core(SlotKVCache):
     def stop_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, 2H] -> [B, 2]: stop_head(silu(stop_proj(lm_hidden)))."""
         m = self.module
-        return m.stop_head(F.silu(m.stop_proj(hidden[:, :self.config.hidden_size])))
+        act = invariant.silu if self.config.batch_invariant else F.silu
+        return m.stop_head(act(m.stop_proj(hidden[:, :self.config.hidden_size])))
 
     def stop_mask(self, stop_logits: torch.Tensor, decode_step: torch.Tensor) -> torch.Tensor:
         """Upstream's stop rule, on device: argmax == 1 (ties pick 0) and decode_step > min_len,

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.qwen3_tts.layers import Linear
+from mtp_fsm import invariant
 
 from .config import MiniCPM4Config
 from .minicpm import MiniCPMModel
@@ -20,11 +21,12 @@ class ScalarQuantizationLayer(nn.Module):
     def __init__(self, hidden: int, latent: int, scale: int, bi: bool):
         super().__init__()
         self.scale = scale
+        self.tanh = invariant.tanh if bi else torch.tanh
         self.in_proj = Linear(hidden, latent, True, bi)
         self.out_proj = Linear(latent, hidden, True, bi)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.in_proj(x))
+        h = self.tanh(self.in_proj(x))
         return self.out_proj(torch.round(h * self.scale) / self.scale)
 
 
@@ -47,11 +49,12 @@ class VoxCPMLocEnc(nn.Module):
 
 
 def sinusoidal_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.Tensor:
-    """Upstream `SinusoidalPosEmb` (same op order): t [N] -> [N, dim] = [sin | cos]."""
+    """Upstream `SinusoidalPosEmb` (same op order): t [N] -> [N, dim] = [sin | cos]; exp, sin and
+    cos from mtp_fsm.invariant (the same bits on every CPU kernel set)."""
     half = dim // 2
-    freq = torch.exp(torch.arange(half, dtype=t.dtype, device=t.device) * -(math.log(10000) / (half - 1)))
-    arg = scale * t.unsqueeze(1) * freq.unsqueeze(0)
-    return torch.cat((arg.sin(), arg.cos()), dim=-1)
+    freq = invariant.exp(torch.arange(half, dtype=t.dtype, device=t.device) * -(math.log(10000) / (half - 1)))
+    cos, sin = invariant.cos_sin(scale * t.unsqueeze(1) * freq.unsqueeze(0))
+    return torch.cat((sin, cos), dim=-1)
 
 
 class TimestepEmbedding(nn.Module):
@@ -59,9 +62,10 @@ class TimestepEmbedding(nn.Module):
         super().__init__()
         self.linear_1 = Linear(dim, dim, True, bi)
         self.linear_2 = Linear(dim, dim, True, bi)
+        self.act = invariant.silu if bi else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
+        return self.linear_2(self.act(self.linear_1(x)))
 
 
 class VoxCPMLocDiTV2(nn.Module):
@@ -113,7 +117,7 @@ class UnifiedCFM(nn.Module):
         already times temperature) -> patch [B, P, D]. Every op is per row, so a row's result
         does not depend on the batch; the loop length is static (no host sync)."""
         t_span = torch.linspace(1, 0, n_timesteps + 1, device=mu.device, dtype=mu.dtype)
-        t_span = t_span + sway_sampling_coef * (torch.cos(torch.pi / 2 * t_span) - 1 + t_span)
+        t_span = t_span + sway_sampling_coef * (invariant.cos_sin(torch.pi / 2 * t_span)[0] - 1 + t_span)
         x, t, dt = noise, t_span[0], t_span[0] - t_span[1]
         b = x.shape[0]
         zero_init_steps = max(1, int((n_timesteps + 1) * 0.04))
@@ -126,10 +130,10 @@ class UnifiedCFM(nn.Module):
                     dt * rows if self.mean_mode else torch.zeros_like(rows), cos, sin)
                 pos, neg = velocity[:b], velocity[b:]
                 if use_cfg_zero_star:
-                    # Flattened in upstream's [D, P] order so the dot products sum in the same order.
+                    # Upstream's [D, P] order; fixed-order sums (mtp_fsm.invariant).
                     pos_flat, neg_flat = pos.transpose(1, 2).reshape(b, -1), neg.transpose(1, 2).reshape(b, -1)
-                    st = torch.sum(pos_flat * neg_flat, dim=1, keepdim=True) / (
-                        torch.sum(neg_flat ** 2, dim=1, keepdim=True) + 1e-8)
+                    st = invariant.tree_sum(pos_flat * neg_flat, 1, keepdim=True) / (
+                        invariant.tree_sum(neg_flat * neg_flat, 1, keepdim=True) + 1e-8)
                     st = st.view(b, 1, 1)
                     velocity = neg * st + cfg_value * (pos - neg * st)
                 else:

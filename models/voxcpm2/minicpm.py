@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from models.qwen3_tts.layers import MLP, Attention, RMSNorm
+from mtp_fsm import invariant
 
 from .config import MiniCPM4Config
 
@@ -22,14 +23,15 @@ def longrope_tables(cfg: MiniCPM4Config, num_positions: int,
     dim = cfg.head_dim
     if cfg.no_rope:
         return None, None
-    # Same op order as upstream so float32 tables agree bit for bit.
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
-    t = torch.arange(num_positions, device=device, dtype=torch.float32)
-    ext = torch.tensor(cfg.rope_factors, dtype=torch.float32, device=device)
+    # Upstream's op order in float32; pow, cos and sin from mtp_fsm.invariant (the same bits on
+    # every CPU kernel set, within an ulp of upstream's).
+    inv_freq = 1.0 / invariant.pow_table(cfg.rope_theta, torch.arange(0, dim, 2).float() / dim)
+    t = torch.arange(num_positions, dtype=torch.float32)
+    ext = torch.tensor(cfg.rope_factors, dtype=torch.float32)
     freqs = torch.mul(torch.outer(t, 1.0 / ext), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = invariant.cos_sin(torch.cat((freqs, freqs), dim=-1))
     scale = cfg.rope_scaling_factor
-    return emb.cos() * scale, emb.sin() * scale
+    return (cos * scale).to(device), (sin * scale).to(device)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from .. import invariant
 from ..model_api import (
     FEED_COUNT, FEED_DONE, FEED_ROWS, CodebookSampler, ColumnSpec, DelayPattern, ModelSpec, MtpResult, PayloadSpec,
     PreparedPrompt, TalkerModel,
@@ -41,6 +42,7 @@ class ScriptedTalker(TalkerModel):
     attention with a per-slot KV cache), so a frame depends on the request's whole
     history and a cache mix-up between slots changes frames. Triggers (EOS, NaN) are
     keyed by the absolute position, which is a pure function of the request's own inputs.
+    Every hook is computed with mtp_fsm.invariant ops, as the TalkerModel contract asks.
     """
 
     def __init__(
@@ -151,7 +153,7 @@ class ScriptedTalker(TalkerModel):
         # Running mean over the slot's cache up to each token's position.
         window = torch.arange(self.spec.max_context, device=pos.device)[None, :] <= pos[:, None]
         history = torch.where(window[:, :, None], self.cache[slot], 0.0)
-        hidden = history.sum(1) / (pos[:, None] + 1)
+        hidden = invariant.tree_sum(history, 1) / (pos[:, None] + 1)
         # Frame index of the CB0 sampled at this position (for prompt rows it is 0).
         frame = (pos + 1 - self.columns["prompt_len0"][slot]).clamp(min=0)
         nan = (frame == self.columns["nan_at"][slot]) & (token_slots >= 0)
@@ -163,7 +165,7 @@ class ScriptedTalker(TalkerModel):
 
     def cb0_logits(self, hidden):
         h, flags = hidden[:, : self.spec.hidden_size], hidden[:, self.spec.hidden_size:]
-        logits = h @ self.head
+        logits = invariant.matmul(h, self.head)
         if self.mtp_stops:
             return logits
         forced = torch.full_like(logits, -1e4)
@@ -174,14 +176,15 @@ class ScriptedTalker(TalkerModel):
         h, flags = hidden[:, : self.spec.hidden_size], hidden[:, self.spec.hidden_size:]
         if self.spec.payload is not None:  # a FrameDraws: noise, and the previous payload as state
             rows = h.shape[0]
-            patch = torch.tanh(h @ self.payload_head + self.code_tables[0][cb0][:, : self.payload_head.shape[1]])
+            patch = invariant.tanh(invariant.matmul(h, self.payload_head)
+                                   + self.code_tables[0][cb0][:, : self.payload_head.shape[1]])
             patch = patch.reshape(rows, *PAYLOAD_SHAPE) + 0.25 * sample.normal(PAYLOAD_SHAPE).to(h.dtype)
             patch = patch + 0.5 * sample.previous.to(h.dtype)
             return torch.where(flags[:, 1, None, None] > 0, float("nan"), patch)
         codes = [cb0]
         state = h + self.code_tables[0][cb0]
         for g in range(1, self.spec.num_codebooks):
-            logits = state @ self.mtp_heads[g]
+            logits = invariant.matmul(state, self.mtp_heads[g])
             logits = torch.where(flags[:, 1:2] > 0, float("nan"), logits)
             token = sample(logits, g)
             codes.append(token)
@@ -201,7 +204,7 @@ class ScriptedTalker(TalkerModel):
         for i in range(inputs.num_drafts):
             at = position + 1 + i  # where x sits
             mean = (mean * at[:, None] + x) / (at[:, None] + 1)
-            token = choose(mean @ self.head, i)
+            token = choose(invariant.matmul(mean, self.head), i)
             if self.draft_miss:
                 token = torch.where((at + 1) % self.draft_miss == 0, (token + 1) % self.spec.codebook_size, token)
             drafts.append(token)
@@ -211,7 +214,7 @@ class ScriptedTalker(TalkerModel):
 
     def frame_embed(self, codes):
         if self.spec.payload is not None:  # the payload [B, *PAYLOAD_SHAPE]
-            return codes.reshape(codes.shape[0], -1).to(self.payload_embed.dtype) @ self.payload_embed
+            return invariant.matmul(codes.reshape(codes.shape[0], -1).to(self.payload_embed.dtype), self.payload_embed)
         out = self.code_tables[0][codes[:, 0].clamp(0, self.spec.codebook_size - 1)]
         for g in range(1, self.spec.num_codebooks):
             out = out + self.code_tables[g][codes[:, g].clamp(0, self.spec.codebook_size - 1)]
