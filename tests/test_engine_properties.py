@@ -4,6 +4,8 @@ on max_slots or on which slot a request lands in (float64 scripted talker)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -26,6 +28,12 @@ SPECS = {name: factory().spec for name, factory in FACTORIES.items()}
 # current-step twin's frames instead (the other properties here, and tests/test_deferred.py).
 ORACLE_VARIANTS = sorted(v for v in FACTORIES if v != "mtp_stop_deferred")
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# tests/test_kernel_sets.py reruns the invariance properties under other CPU kernel sets with fewer examples.
+EXAMPLES_CAP = int(os.environ.get("MTP_FSM_MAX_EXAMPLES", "1000000"))
+
+
+def examples(n: int) -> int:
+    return min(n, EXAMPLES_CAP)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -116,7 +124,7 @@ def run_batched(variant, defs, max_slots, data, fillers=()):
     raise AssertionError("did not finish")
 
 
-@settings(FAST, max_examples=60)
+@settings(FAST, max_examples=examples(60))
 @given(variant=st.sampled_from(sorted(FACTORIES)), max_slots=st.integers(1, 4), data=st.data())
 def test_frames_are_the_same_alone_or_batched(variant, max_slots, data):
     """Each request's frames equal its alone run whatever it is batched with."""
@@ -126,7 +134,7 @@ def test_frames_are_the_same_alone_or_batched(variant, max_slots, data):
         assert frames.get(f"r{i}", []) == list(refs(variant).get(d).frames), f"r{i} differs from its alone run"
 
 
-@settings(FAST, max_examples=40)
+@settings(FAST, max_examples=examples(40))
 @given(variant=st.sampled_from(sorted(FACTORIES)), data=st.data())
 def test_frames_do_not_depend_on_max_slots_or_slot_assignment(variant, data):
     """The same requests in engines of different sizes, behind different numbers of filler
