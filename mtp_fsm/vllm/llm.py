@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,12 +20,18 @@ from .frame_store import TakenFrames
 from .model_dir import TalkerDirConfig, stop_token_id, write_model_dir
 from .request_codec import EXTRA_ARGS_KEY, encode_request
 
+log = logging.getLogger(__name__)
+
 # vLLM's finish reasons -> the engine's, for requests vLLM ended itself.
 _VLLM_REASONS = {"stop": FinishReason.EOS, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# vLLM 0.32 makes its internal request id `{external id}-{8 random characters}` (InputProcessor).
+_INTERNAL_ID = re.compile(r"^(?P<external>.+)-[0-9a-f]{8}$")
+_ENDED_MEMORY = 4096  # ids of ended requests whose late worker records are dropped quietly
 
 
 class FrameChannelError(RuntimeError):
-    """The frames pulled from the worker disagree with the CB0 tokens vLLM delivered."""
+    """The frames pulled from the worker disagree with the CB0 tokens vLLM delivered (the
+    detail of that one request's error finish: the channel goes on for the others)."""
 
 
 class TalkerLLM:
@@ -61,6 +69,8 @@ class TalkerLLM:
 
         self._running: dict[str, Generation] = {}
         self._aborting: dict[str, Generation] = {}
+        self._ended: dict[str, None] = {}  # recently ended ids, oldest first
+        self.dropped_records = 0  # worker records for ids this frontend never ran (logged)
         self._idle_steps = 0
         self.llm = LLM(
             model=str(self.model_dir), worker_cls=WORKER_CLS, skip_tokenizer_init=True,
@@ -132,7 +142,14 @@ class TalkerLLM:
                 generation = self._running.pop(output.request_id)
                 self._check(generation, output)
                 ended.append(generation)
+        for generation in ended:
+            self._remember_ended(generation.request_id)
         return ended
+
+    def _remember_ended(self, request_id: str) -> None:
+        self._ended[request_id] = None
+        while len(self._ended) > _ENDED_MEMORY:
+            del self._ended[next(iter(self._ended))]
 
     def running(self, request_id: str) -> Generation:
         return self._running[request_id]
@@ -161,11 +178,30 @@ class TalkerLLM:
         """The worker's serving summary (same table as the embedded loop's)."""
         return self.metrics().summary()
 
+    def _owner(self, request_id: str) -> Generation | None:
+        generation = self._running.get(request_id) or self._aborting.get(request_id)
+        match = _INTERNAL_ID.match(request_id) if generation is None else None
+        if match is not None:  # a record the worker could only key by vLLM's internal id
+            generation = self._running.get(match["external"]) or self._aborting.get(match["external"])
+        return generation
+
     def _collect(self, taken_frames: list[TakenFrames]) -> None:
+        """Each record to the request it belongs to. A record for a request that already ended
+        here (vLLM ended it first, e.g. at max_model_len; the worker then aborts it) or that
+        this frontend never ran is dropped (logged): one request never stops the others'."""
         for taken in taken_frames:
-            generation = self._running.get(taken.request_id) or self._aborting.get(taken.request_id)
+            generation = self._owner(taken.request_id)
             if generation is None:
-                raise FrameChannelError(f"frames for request {taken.request_id!r}, which is not running here")
+                if taken.request_id not in self._ended or len(taken.codes):
+                    self.dropped_records += 1
+                    log.warning("frame channel: dropped %d frames%s for request %r, which is not running here",
+                                len(taken.codes), " and its finish" if taken.finished else "", taken.request_id)
+                continue
+            if taken.first_index != len(generation.frames):
+                generation.finished = FinishedRequest(
+                    generation.request_id, FinishReason.ERROR, len(generation.frames),
+                    f"frame channel: frames from index {taken.first_index} arrived after {len(generation.frames)}")
+                continue
             for offset, codes in enumerate(taken.codes):
                 generation.frames.append(Frame(taken.request_id, taken.first_index + offset,
                                                torch.from_numpy(codes.copy())))
@@ -181,9 +217,16 @@ class TalkerLLM:
         if reason is FinishReason.EOS and self._stop_frame_published and cb0:
             cb0 = cb0[:-1]  # the ending step published the last frame: its token is the stop id
         expected = cb0 + ([self.stop_token_id] if reason in (FinishReason.EOS, FinishReason.ERROR) else [])
+        if generation.finished is None and completion.finish_reason == "length":
+            expected = cb0  # vLLM's own cap (max_tokens or max_model_len) ended it before the engine did
         if tokens != expected:
-            raise FrameChannelError(f"request {generation.request_id!r}: vLLM delivered CB0 tokens {tokens[:8]}... "
-                                    f"({len(tokens)}) but the worker's frames give {expected[:8]}... ({len(expected)})")
+            error = FrameChannelError(f"request {generation.request_id!r}: vLLM delivered CB0 tokens {tokens[:8]}... "
+                                      f"({len(tokens)}) but the worker's frames give {expected[:8]}... "
+                                      f"({len(expected)})")
+            log.error("%s", error)
+            generation.finished = FinishedRequest(generation.request_id, FinishReason.ERROR, len(generation.frames),
+                                                  str(error))
+            return
         if generation.finished is None:  # vLLM ended it (abort, a vLLM-side cap) before the engine did
             reason = _VLLM_REASONS.get(completion.finish_reason, FinishReason.ABORT)
             generation.finished = FinishedRequest(generation.request_id, reason, len(generation.frames),

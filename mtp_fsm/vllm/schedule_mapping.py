@@ -122,6 +122,9 @@ class ScheduleMapper:
         except AdmissionError as exc:
             self._reject(rid, extra, exc)
             return None
+        except Exception as exc:  # a malformed payload or a model's own input check: this request alone
+            self._reject(rid, extra, AdmissionError(rid, f"{type(exc).__name__}: {exc}"))
+            return None
         self._caller[rid] = caller
         self.frames.open(caller)
         self.metrics.on_submit(caller, self.clock())
