@@ -49,6 +49,10 @@ class PlanError(MtpFsmError):
         super().__init__(who + reason)
 
 
+class ConfigurationError(MtpFsmError, ValueError):
+    """An engine or policy built with a value it cannot run with (names the argument and the value)."""
+
+
 class LifecycleCompileError(MtpFsmError, ValueError):
     """A lifecycle spec the compiler refuses: the message names the variant, the edge or stage, and why."""
 

@@ -6,7 +6,7 @@ import weakref
 
 from ..errors import AdmissionError
 from ..model_api import PreparedPrompt, TalkerModel
-from ..sampling.params import MAX_COUNT
+from ..sampling.params import MAX_COUNT, SamplingParams
 from ..sampling.topp import MAX_VOCAB_FIXED
 from .staging import min_frames_of, sampling_of
 from .plan import NewRequest
@@ -54,6 +54,11 @@ class Admission:
         if req.min_frames is not None and (type(req.min_frames) is not int or not 0 <= req.min_frames <= MAX_COUNT):
             problems.append(f"min_frames must be an int in [0, {MAX_COUNT}] or None (the model's default), "
                             f"got {req.min_frames!r}")
+        for name in ("cb0_sampling", "mtp_sampling"):
+            if not isinstance(getattr(req, name), SamplingParams):
+                problems.append(f"{name} must be a mtp_fsm.sampling.SamplingParams, got {getattr(req, name)!r}")
+        if problems and not all(isinstance(p, SamplingParams) for p in (req.cb0_sampling, req.mtp_sampling)):
+            return problems  # the checks below read the sampling parameters
         problems += [f"cb0 sampling: {p}" for p in req.cb0_sampling.problems()]
         problems += [f"mtp sampling: {p}" for p in req.mtp_sampling.problems()]
         if req.mtp_sampling.repetition_penalty not in (None, 1.0):

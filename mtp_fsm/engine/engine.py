@@ -8,9 +8,12 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from ..errors import EngineInvariantError, ModelBindingError
+from ..errors import (
+    AdmissionError, ConfigurationError, DuplicateRequestError, EngineInvariantError, ModelBindingError, PlanTypeError,
+)
 from ..kernels import select_backend
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID, StagedEvents
+from ..lifecycle import FinishReason
 from ..lifecycle import (
     FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for,
 )
@@ -23,7 +26,7 @@ from .feed import ConditioningFeed
 from .model_calls import ModelFault, frame_embed_of_words, model_call
 from .ledger import HostStep, Ledger
 from .pipeline import DevicePipeline, deferred_columns
-from .plan import FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
+from .plan import FinishedRequest, FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
 from .speculation import SpeculationStats, SpeculativeStep, check_speculation, draft_columns
 
@@ -72,12 +75,22 @@ class LockstepEngine:
         (`graph_buckets`), "cuda": captured and replayed as CUDA graphs (needs the Triton
         kernels), "eager": the same buffers run eagerly, "off": never, "auto": "cuda" where it
         can run, else off. The frames are the same in every mode."""
+        if type(max_slots) is not int or max_slots < 1:
+            raise ConfigurationError(f"LockstepEngine: max_slots must be an int >= 1, got {max_slots!r}")
+        if not isinstance(model, TalkerModel):
+            raise ConfigurationError(f"LockstepEngine: model must be a mtp_fsm.model_api.TalkerModel, got "
+                                     f"{type(model).__name__}")
+        if policy is not None and not isinstance(policy, SchedulingPolicy):
+            raise ConfigurationError(f"LockstepEngine: policy must be a SchedulingPolicy, got {type(policy).__name__}")
         policy = policy or SchedulingPolicy()
         check_speculation(model, speculate, lifecycle, policy)
         _bind(model, self)
         self.model = model
         self.spec = model.spec
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigurationError(f"LockstepEngine: device {device!r}: {exc}") from exc
         self.speculate = speculate
         self.lifecycle = lifecycle or lifecycle_for("speculative" if speculate else self.spec.lifecycle)
         self.compiled = compile_lifecycle(self.lifecycle)
@@ -205,7 +218,13 @@ class LockstepEngine:
         self, requests: Iterable[NewRequest], *, on_step: Callable[["LockstepEngine", StepOutput], None] | None = None
     ) -> dict[str, Generation]:
         """Run requests to their end with the built-in policy; frames and finish per request.
-        on_step(engine, output) may abort or preempt between steps."""
+        on_step(engine, output) may abort or preempt between steps.
+
+        All or nothing: every request is validated before any is queued (AdmissionError or
+        DuplicateRequestError naming the first bad one, nothing queued). Every request gets
+        exactly one end: one aborted while still queued ends with reason abort, 0 frames."""
+        requests = list(requests)
+        self._check_batch(requests)
         results: dict[str, Generation] = {}
         for request in requests:
             self.add_request(request)
@@ -219,7 +238,28 @@ class LockstepEngine:
                     results[finished.request_id].finished = finished
             if on_step is not None:
                 on_step(self, output)
+        held = self.requests()
+        for rid, generation in results.items():
+            if generation.finished is None and rid not in held:  # dropped from the queue by an abort
+                generation.finished = FinishedRequest(rid, FinishReason.ABORT, len(generation.frames),
+                                                      "aborted while queued")
         return results
+
+    def _check_batch(self, requests: list[NewRequest]) -> None:
+        seen: set[str] = set()
+        held = self.requests()
+        for request in requests:
+            if not isinstance(request, NewRequest):
+                raise AdmissionError(repr(request)[:60], f"not a NewRequest ({type(request).__name__}); nothing queued")
+            rid = request.request_id
+            if rid in seen or rid in held:
+                raise DuplicateRequestError(rid, "the id is already in the engine or twice in this batch; nothing "
+                                            "queued", held.get(rid, "in this batch"))
+            seen.add(rid)
+            try:
+                self.ledger.admission.admissible(request)
+            except AdmissionError as exc:
+                raise AdmissionError(rid, f"{exc.reason}; nothing queued") from exc
 
     def step(self, plan: StepPlan | None = None) -> StepOutput | None:
         """Run one lockstep step: `plan`, or the built-in policy's (None when idle).
@@ -227,6 +267,8 @@ class LockstepEngine:
         A bad plan raises before anything changes; a model that raises mid-step ends that
         step's scheduled requests with reason error and leaves every other request as it was.
         """
+        if plan is not None and not isinstance(plan, StepPlan):
+            raise PlanTypeError(f"step() takes a StepPlan or None, got {type(plan).__name__}")
         if plan is None:
             if self.scheduler.idle:
                 return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from ..errors import MtpFsmError
+from ..errors import ConfigurationError, MtpFsmError
 from ..lifecycle import Trigger
 from .ledger import Ledger
 from .plan import NewRequest, Span, StepOutput, StepPlan
@@ -17,12 +17,12 @@ class SchedulerStallError(MtpFsmError):
 
 def _positive(_, attribute, value) -> None:
     if type(value) is not int or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+        raise ConfigurationError(f"SchedulingPolicy: {attribute.name} must be an int >= 1, got {value!r}")
 
 
 def _none_or_non_negative(_, attribute, value) -> None:
     if value is not None and (type(value) is not int or value < 0):
-        raise ValueError(f"{attribute.name} must be None or an int >= 0, got {value!r}")
+        raise ConfigurationError(f"SchedulingPolicy: {attribute.name} must be None or an int >= 0, got {value!r}")
 
 
 @attrs.frozen
