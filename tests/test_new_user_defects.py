@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mtp_fsm.engine import LockstepEngine, NewRequest, SchedulingPolicy
 from mtp_fsm.errors import AdmissionError, DuplicateRequestError, MtpFsmError
@@ -74,3 +76,39 @@ def test_valid_sampling_still_admits():
     engine = LockstepEngine(ScriptedTalker(), 2, kernels="torch")
     results = engine.generate([_req("r", cb0_sampling=SamplingParams(temperature=0.7, top_k=5))])
     assert len(results["r"].frames) == 3
+
+
+def test_min_frames_is_refused_where_the_mtp_stage_decides_the_stop():
+    from models.moss_tts_local import text_inputs, tiny_demo_talker
+    from mtp_fsm.vllm.request_codec import with_vllm_rules
+
+    engine = LockstepEngine(tiny_demo_talker(seed=0), 2, kernels="torch")
+    request = NewRequest("moss", text_inputs("Hello."), max_frames=30, min_frames=20)
+    with pytest.raises(AdmissionError, match="'moss'.*min_frames"):
+        engine.add_request(request)
+    assert engine.check_new(attrs.evolve(request, min_frames=None)) == []
+
+    class VllmParams:  # what vLLM's SamplingParams carries (min_tokens) when a client sets it
+        min_tokens, repetition_penalty = 20, 1.0
+    mapped = with_vllm_rules(attrs.evolve(request, min_frames=None), VllmParams())
+    assert any("min_frames" in p for p in engine.check_new(mapped))
+    scripted = LockstepEngine(ScriptedTalker(variant="mtp_stop"), 2, kernels="torch")
+    assert any("min_frames" in p for p in scripted.check_new(_req("s", min_frames=1)))
+    assert scripted.check_new(_req("s", min_frames=0)) == []
+
+
+@settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(1, 4), prompts=st.lists(st.integers(1, 10), min_size=1, max_size=4),
+       draft_miss=st.sampled_from([0, 2, 3]), slots=st.integers(1, 3), budget=st.sampled_from([6, 12, 64]))
+def test_speculative_host_records_agree_with_the_slot_table_after_every_step(k, prompts, draft_miss, slots, budget):
+    """The host record's num_computed is the device's (before: it added the whole k+1 row width)."""
+    model = ScriptedTalker(num_codebooks=1, draft_miss=draft_miss)
+    engine = LockstepEngine(model, slots, kernels="torch", speculate=k,
+                            policy=SchedulingPolicy(token_budget=max(budget, k + 1), prefill_chunk=5))
+    for i, n in enumerate(prompts):
+        engine.add_request(NewRequest(f"r{i}", ScriptInputs(prompt=tuple(range(1, n + 1))), max_frames=12, seed=i))
+    while engine.step() is not None:
+        for rid, record in engine.ledger.records.items():
+            if record.slot is not None:
+                device = int(engine.table.num_computed[record.slot])
+                assert record.num_computed == device, f"{rid}: host {record.num_computed}, slot table {device}"

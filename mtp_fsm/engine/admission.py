@@ -69,6 +69,10 @@ class Admission:
             # CB0 of frame f is sampled before frame f-1 is published: counts and frame numbers lag.
             problems.append("repetition_penalty != 1 and min_frames > 0 are not supported on a deferred "
                             "lifecycle (the previous frame is published after the next CB0 is sampled)")
+        if self.spec.eos_token_id is None and self.spec.delay_pattern is None and min_frames_of(self.spec, req):
+            # min_frames masks the CB0 EOS; here the stop is decided elsewhere (the MTP stage).
+            problems.append(f"min_frames > 0 is not supported by {self.spec.name!r}: its stop is decided by the "
+                            f"MTP stage ({self.spec.lifecycle!r}), not by a CB0 EOS that min_frames could mask")
         if self.spec.delay_pattern is not None and (cb0.penalises or min_frames_of(self.spec, req)):
             # The pattern's BOC / EOC fillers would count as repeats, and its wind-down is the stop.
             problems.append(f"repetition_penalty != 1 and min_frames > 0 are not supported by {self.spec.name!r}: "

@@ -253,6 +253,8 @@ class Ledger(PlanChecks):
         self.slot_state[slots] = packed[real, OUT_STATE]
         self.slot_frames[slots] = packed[real, OUT_NUM_FRAMES]
         self.slot_reason[slots] = packed[real, OUT_REASON]
+        if host.verify_np is not None:
+            self._computed_from_device(host, real)
         now_terminal = self._is_terminal[packed[:, OUT_STATE]] & real
         newly = np.flatnonzero(now_terminal & ~_scatter(real, was_terminal))
         errors = [int(host.slots_np[row]) for row in newly if packed[row, OUT_REASON] == int(FinishReason.ERROR)]
@@ -263,6 +265,17 @@ class Ledger(PlanChecks):
             ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames, detail))
         return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
 
+
+    def _computed_from_device(self, host: HostStep, real: np.ndarray) -> None:
+        """A verify row computes only the positions it sampled (the rest is rolled back on the
+        device), so the host's count of scheduled tokens is corrected from the slot table. The
+        packed output is on the host already: this small read waits for nothing."""
+        rows = np.flatnonzero(real)
+        computed = self.table.num_computed[torch.from_numpy(host.slots_np[rows]).to(self.table.device)].cpu().numpy()
+        for row, value in zip(rows.tolist(), computed.tolist()):
+            record = host.row_records[row]
+            if record is not None and record.slot is not None:
+                record.num_computed = value
 
     def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
         """A step whose model raised: its scheduled and newly admitted live requests end

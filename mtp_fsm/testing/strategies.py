@@ -57,7 +57,9 @@ def scripted_requests(spec: ModelSpec, max_prompt: int = 8, max_frames: int = 6)
                               feed_done=feed_done)
         seed = draw(st.one_of(st.integers(0, 3), st.integers(-(2**63), 2**63 - 1)))
         if history:
-            cb0, min_frames = draw(st.sampled_from(CB0_SAMPLING)), draw(st.sampled_from(MIN_FRAMES))
+            cb0 = draw(st.sampled_from(CB0_SAMPLING))
+            # min_frames masks a CB0 EOS: refused where the MTP stage decides the stop.
+            min_frames = draw(st.sampled_from(MIN_FRAMES)) if spec.eos_token_id is not None else None
         else:
             cb0, min_frames = draw(st.sampled_from(SAMPLING)), None
         return RequestDef(inputs, budget, seed, cb0, draw(st.sampled_from(SAMPLING)), min_frames)
