@@ -172,12 +172,20 @@ def run_sync_check(name: str, make_model, requests, device, kernels: str, slots:
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
+    def stage(plan):  # host staging too: admissions upload through pinned memory, nothing comes back
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return engine.stage(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
     try:
         for steps in range(1, 80):
             plan, done = lockstep_plans(engine, pending, state)
             if done:
                 break
-            step_with(engine, plan, run_device)
+            step_with(engine, plan, run_device, stage)
     except Exception as exc:
         where = "".join(traceback.format_exception(exc)[-4:-1]).strip().splitlines()
         record(label, False if expect else None,
@@ -185,7 +193,8 @@ def run_sync_check(name: str, make_model, requests, device, kernels: str, slots:
         return
     replays = "" if engine.graphs is None else f", {engine.graphs.replays} through decode buckets"
     record(label, True if expect else None,
-           f"{steps} steps (admit, prefill, decode, preempt/resume, abort{replays}) under sync_debug_mode('error')")
+           f"{steps} steps (admit, prefill, decode, preempt/resume, abort{replays}), staging and device phases "
+           "under sync_debug_mode('error')")
 
 
 # -- 4. launches --------------------------------------------------------------------------------------

@@ -63,10 +63,11 @@ def qwen_requests(inputs_cls, n: int):
 # -- one engine step, with the device phase swappable ------------------------------------------
 
 
-def step_with(engine, plan, device_phase=None):
-    """LockstepEngine.step through its public phases, `device_phase(host) -> packed`
-    standing in for engine.run_device when given (e.g. wrapped in a sync check)."""
-    host = engine.stage(plan)
+def step_with(engine, plan, device_phase=None, stage_phase=None):
+    """LockstepEngine.step through its public phases, `device_phase(host) -> packed` and
+    `stage_phase(plan) -> host` standing in for engine.run_device / engine.stage when given
+    (e.g. wrapped in a sync check)."""
+    host = stage_phase(plan) if stage_phase else engine.stage(plan)
     packed = device_phase(host) if device_phase else engine.run_device(host)
     return engine.finish(host, packed)
 
