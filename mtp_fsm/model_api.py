@@ -268,6 +268,17 @@ class TalkerModel(abc.ABC):
     Every method is batched over rows and must be free of host synchronisation so a
     step can be captured whole; rows the engine does not keep are computed and ignored.
     Results for one row must depend only on that row's inputs (request isolation).
+
+    Batch invariance (DESIGN 2.5.1): for frames that do not depend on the batch, row order,
+    slot or padding, the bits of each row of these outputs must depend on that row's inputs
+    alone, never on how many rows (tokens) the call has or where the row sits:
+      forward (per token), cb0_logits, text_step, frame_embed, mtp (its codes or payload and
+      every logits tensor it hands the sampler), draft (the logits it hands the chooser).
+    BLAS matmuls, ATen reductions and ATen's elementwise transcendentals do not guarantee
+    this on every CPU (measured: MKL's AVX2 gemm path, AMD EPYC); `mtp_fsm.invariant` has
+    ops that do, also across CPU kernel sets. `mtp_fsm.testing.row_invariance` checks a
+    model's hooks at the shapes it really uses. The shipped tiny talkers set it
+    (`batch_invariant=True`); a real-size config trades it for BLAS speed unless asked.
     """
 
     spec: ModelSpec
