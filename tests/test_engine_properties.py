@@ -101,7 +101,6 @@ def run_batched(variant, defs, max_slots, data, fillers=()):
         rows = []
         gone = set(done)
         for rid, record in engine.ledger.records.items():
-            engine.ledger.sync(record)
             if rid in gone or record.state not in engine.lifecycle.classes.live:
                 continue
             left = record.prompt_len - record.num_computed
@@ -118,7 +117,7 @@ def run_batched(variant, defs, max_slots, data, fillers=()):
             assert frame.index == len(frames[frame.request_id]) - 1
         done = [f.request_id for f in out.finished]
         if not queue and not done and not any(
-            engine.ledger.sync(r).state in engine.lifecycle.classes.live for r in engine.ledger.records.values()
+            r.state in engine.lifecycle.classes.live for r in engine.ledger.records.values()
         ):
             return frames
     raise AssertionError("did not finish")

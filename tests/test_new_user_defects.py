@@ -119,22 +119,23 @@ def test_admission_staging_keeps_device_tensors_on_the_device():
     """A model that prepares on the device (and frames captured from the slot table at preemption)
     are staged there, never copied to the host and back. The meta device stands in for CUDA: any
     copy out of a meta tensor raises, so a device -> host copy in staging fails this test."""
-    from mtp_fsm.engine.records import RequestRecord
+    from mtp_fsm.engine.records import RequestRecord, RequestTable
     from mtp_fsm.engine.staging import stage_admits
-    from mtp_fsm.lifecycle import Oracle, Trigger, lifecycle_for
+    from mtp_fsm.lifecycle import Trigger
     from mtp_fsm.slots import SlotTable
 
     model = ScriptedTalker()
     meta = torch.device("meta")
     table = SlotTable.allocate(2, model.spec, meta, model.slot_columns())
-    oracle = Oracle(lifecycle_for(model.spec.lifecycle))
+    rows = RequestTable(3)
     records = []
     for i in range(2):
         prepared = model.prepare(ScriptInputs(prompt=(1, 2, 3 + i)))
         prepared = attrs.evolve(prepared, prompt_embeds=prepared.prompt_embeds.to(meta),
                                 columns={k: v.to(meta) for k, v in prepared.columns.items()})
-        record = RequestRecord(_req(f"r{i}"), oracle.new(f"r{i}"), prepared)
-        record.slot, record.serial = i, i + 1
+        record = RequestRecord(_req(f"r{i}"), rows, prepared)
+        record.attach(i)
+        record.serial = i + 1
         records.append(record)
     records[1].replay_codes = torch.zeros(2, model.spec.frame_width, dtype=torch.int64, device=meta)
     admits, replay = stage_admits(table, model.spec, records, int(Trigger.ADMIT))

@@ -42,7 +42,7 @@ def frames(out) -> dict[str, tuple[int, tuple[int, ...]]]:
 def snapshot(e: LockstepEngine):
     cols = {k: v.clone() for k, v in e.table.columns().items()}
     recs = {rid: (r.slot, r.serial, r.num_computed, r.num_frames, r.state)
-            for rid, r in ((rid, e.ledger.sync(r)) for rid, r in e.ledger.records.items())}
+            for rid, r in e.ledger.records.items()}
     return cols, recs, e.ledger.allocator.num_free, e.model.cache.clone()
 
 

@@ -13,7 +13,6 @@ from ..errors import (
 )
 from ..kernels import select_backend
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID, StagedEvents
-from ..lifecycle import FinishReason
 from ..lifecycle import (
     FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for,
 )
@@ -110,7 +109,8 @@ class LockstepEngine:
         self.table = SlotTable.allocate(max_slots, self.spec, self.device, {
             **model.slot_columns(), **feed_columns(self.spec), **deferred_columns(self.spec, self.lifecycle),
             **draft_columns(self.lifecycle, speculate)})
-        self.oracle = Oracle(self.lifecycle)
+        # Host events fire through the spec's machine on the records, i.e. on the request table.
+        self.oracle = Oracle(self.lifecycle, model_attribute="label")
         self.ledger = Ledger(model, self.table, self.oracle, self.compiled, decode_width=1 + speculate)
         self.scheduler = Scheduler(self.ledger, policy)
         self.feeds = ConditioningFeed(self.ledger, self.kernels, self._lc)

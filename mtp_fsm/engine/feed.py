@@ -41,7 +41,7 @@ class ConditioningFeed:
         record = ledger.records.get(request_id) or ledger.queued.get(request_id)
         if record is None:
             raise FeedError(request_id, None, "fed but not in the engine (never added, or already ended and released)")
-        state = ledger.sync(record).state
+        state = record.state
         if state in ledger.terminal_states:
             raise FeedError(request_id, state.label, "fed after it ended")
         if record.feed_done:
@@ -81,13 +81,11 @@ class ConditioningFeed:
         for record in ledger.records.values() if records is None else records:
             if record.slot is None:
                 continue
-            ledger.sync(record)
             # Which one, if any, may fire from the request's state is the spec's to say.
             trigger = Trigger.FEED if record.has_feed_row(needed_row(record)) else Trigger.STARVE
-            if not ledger.oracle.may(record.fsm, trigger):
+            if not ledger.oracle.may(record, trigger):
                 continue
-            ledger.oracle.fire(record.fsm, trigger)
-            ledger.slot_state[record.slot] = int(record.fsm.code)
+            ledger.oracle.fire(record, trigger)  # writes the request table's row
             slots.append(record.slot)
             triggers.append([int(trigger), -1])
         if slots:
@@ -100,6 +98,6 @@ class ConditioningFeed:
 
     def num_starved(self) -> int:
         ledger = self.ledger
-        starved = sum(ledger.sync(r).state is State.STARVED for r in ledger.records.values() if r.slot is not None)
+        starved = sum(r.state is State.STARVED for r in ledger.records.values() if r.slot is not None)
         waiting = sum(not ledger.ready_to_resume(r) for r in ledger.records.values() if r.slot is None)
         return starved + waiting

@@ -1,5 +1,6 @@
 """The host ledger: validates a StepPlan all-or-nothing (plan_checks), fires host triggers
-through the oracle, allocates slots and stages the device inputs of the step."""
+through the lifecycle's `transitions` machine on the request table, allocates slots, stages
+the device inputs of the step and writes the step's device output into the table."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from ..errors import DuplicateRequestError, UnknownRequestError
 from ..kernels.contract import (
-    OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents, StepBatch,
+    OUT_NUM_COMPUTED, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents,
+    StepBatch,
 )
 from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, CompiledLifecycle, FinishReason, Oracle, State, Trigger
 from ..lifecycle.compiled import RULE_DEST
@@ -19,7 +21,7 @@ from ..model_api import TalkerModel
 from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, StepPlan
 from .admission import Admission
-from .records import RequestRecord
+from .records import RequestRecord, RequestTable
 from .staging import RowBatches, stage_admits
 from .plan_checks import PlanChecks
 from .steady import SteadyRows
@@ -46,8 +48,8 @@ class HostStep:
 
 
 class Ledger(PlanChecks):
-    """Host truth about requests (records, slot ownership) and the per-slot mirror of the
-    device, refreshed from each step's single output copy."""
+    """Host truth about requests: the request table (per-slot columns, refreshed from each
+    step's single output copy) and the records viewing it, slot ownership, the queue."""
 
     def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle, compiled: CompiledLifecycle,
                  decode_width: int = 1) -> None:
@@ -62,6 +64,7 @@ class Ledger(PlanChecks):
         self._dest = compiled.rules[RULE_DEST].numpy()  # [trigger, state] -> state
         # Where an admitted row starts: admission from the (one) vacant state.
         (vacant,) = compiled.states_in(CLASS_VACANT)
+        self._vacant = int(vacant)
         self._admitted_state = State(self._dest[Trigger.ADMIT, vacant])
         self.spec = model.spec
         self.allocator = SlotAllocator(table.max_slots)
@@ -71,34 +74,31 @@ class Ledger(PlanChecks):
         self.admission = Admission(model, deferred=oracle.spec.deferred)
         self._batches = RowBatches(table, self.spec, decode_width)
         self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
-        # Host mirror of the device, per slot, refreshed from each step's output copy.
-        rows = table.max_slots + 1
-        self.slot_state = np.zeros(rows, dtype=np.int64)
-        self.slot_frames = np.zeros(rows, dtype=np.int64)
-        self.slot_reason = np.zeros(rows, dtype=np.int64)
+        # The one owner of every request's state and counters on the host (records view it).
+        self.rows = RequestTable(table.max_slots + 1)
+        self.slot_state = self.rows.state  # the same array, named for the vectorised checks
         # Bumped whenever a request gains or loses a record or a slot: a steady batch's cache
         # (validation and staging of identical rows) is valid only within one generation.
         self.generation = 0
         self._steady: SteadyRows | None = None
 
-    def sync(self, record: RequestRecord) -> RequestRecord:
-        """Bring a slot-holding record's FSM and counters up to the device mirror."""
-        if record.slot is not None:
-            record.fsm.state = _LABELS[self.slot_state[record.slot]]
-            record.num_frames = int(self.slot_frames[record.slot])
-            record.finish_reason = FinishReason(int(self.slot_reason[record.slot]))
-        return record
-
     def record(self, request_id: str, what: str) -> RequestRecord:
-        """The synced record of a known request; UnknownRequestError saying what was attempted."""
+        """The record of a known request; UnknownRequestError saying what was attempted."""
         record = self.records.get(request_id) or self.queued.get(request_id)
         if record is None:
             raise UnknownRequestError(request_id, what)
-        return self.sync(record)
+        return record
 
     def all_records(self):
-        """(request id, synced record) for every request the engine holds, queued ones last."""
-        return [*((rid, self.sync(r)) for rid, r in self.records.items()), *self.queued.items()]
+        """(request id, record) for every request the engine holds, queued ones last."""
+        return [*self.records.items(), *self.queued.items()]
+
+    def _vacate(self, record: RequestRecord) -> None:
+        """The record leaves its slot: its counters park in it (a preempted one keeps state
+        `preempted`), and the row is vacant, as the device leaves it after the chain's release."""
+        self.allocator.release(record.slot)
+        record.detach(self._vacant)
+        record.serial = 0
 
     # -- validation (no mutation) -------------------------------------------------------
 
@@ -110,7 +110,7 @@ class Ledger(PlanChecks):
         if rid in self.records or rid in self.queued:
             known = self.records.get(rid) or self.queued[rid]
             raise DuplicateRequestError(rid, "a request with this id is already in the engine", known.state.label)
-        record = RequestRecord(req, self.oracle.new(rid), self.admission.admissible(req))
+        record = RequestRecord(req, self.rows, self.admission.admissible(req))
         self.queued[rid] = record
         return record
 
@@ -147,51 +147,44 @@ class Ledger(PlanChecks):
             ev_triggers.append(trig + [-1] * (2 - len(trig)))
             ev_reasons.append(int(reason))
 
+        # Host triggers fire through the `transitions` machine on the records, whose state is
+        # the table row's: the device applies the same chains to its rows (StagedEvents).
         for rid in plan.releases:
             record = self.records.pop(rid)
-            self.oracle.fire(record.fsm, Trigger.RELEASE)
             event(record.slot, [Trigger.RELEASE])
-            self.allocator.release(record.slot)
+            self.oracle.fire(record, Trigger.RELEASE)
+            self._vacate(record)
         for rid in plan.aborts:
             record = self.records.pop(rid)
-            self.oracle.fire(record.fsm, Trigger.ABORT)
             if record.slot is not None:
-                self.oracle.fire(record.fsm, Trigger.RELEASE)
                 event(record.slot, [Trigger.ABORT, Trigger.RELEASE], FinishReason.ABORT)
-                self.allocator.release(record.slot)
+                self.oracle.fire_all(record, (Trigger.ABORT, Trigger.RELEASE))
+                self._vacate(record)
+            else:
+                self.oracle.fire(record, Trigger.ABORT)
             ended.append(FinishedRequest(rid, FinishReason.ABORT, record.num_frames))
         for rid in plan.preempts:
             record = self.records[rid]
-            self.oracle.fire(record.fsm, Trigger.PREEMPT)
             event(record.slot, [Trigger.PREEMPT, Trigger.RELEASE])
+            self.oracle.fire(record, Trigger.PREEMPT)
             # Device-side clone (no sync): the frames resume will replay into the prompt.
             record.replay_codes = self.table.frame_log[record.slot, : record.num_frames].clone()
-            self.allocator.release(record.slot)
-            record.slot, record.serial = None, 0
+            self._vacate(record)
         admitted: list[RequestRecord] = []
         for rid in plan.resumes:
             record = self.records[rid]
-            self.oracle.fire(record.fsm, Trigger.RESUME)
+            self.oracle.fire(record, Trigger.RESUME)
             record.prompt_len, record.num_computed = self.resume_prompt_len(record), 0
             admitted.append(record)
         for req in plan.new_requests:
             self.admission.forget(req)
-            record = self.queued.pop(req.request_id, None) or RequestRecord(
-                req, self.oracle.new(req.request_id), prepared[req.request_id])
-            self.oracle.fire(record.fsm, Trigger.ADMIT)
+            record = self.queued.pop(req.request_id, None) or RequestRecord(req, self.rows, prepared[req.request_id])
+            self.oracle.fire(record, Trigger.ADMIT)
             self.records[req.request_id] = record
             admitted.append(record)
-        for slot, triggers in zip(ev_slots, ev_triggers):  # the device applies the same chains
-            for trigger in triggers:
-                if trigger >= 0:
-                    self.slot_state[slot] = self._dest[trigger, self.slot_state[slot]]
-            self.slot_reason[slot] = 0
         for record in admitted:
-            record.slot = self.allocator.allocate()
+            record.attach(self.allocator.allocate())
             record.serial, self._next_serial = self._next_serial, self._next_serial + 1
-            self.slot_state[record.slot] = self._dest[Trigger.ADMIT, self.slot_state[record.slot]]
-            self.slot_reason[record.slot] = 0
-            self.slot_frames[record.slot] = record.num_frames
         events = None
         if ev_slots:
             device = self.table.device
@@ -212,32 +205,26 @@ class Ledger(PlanChecks):
             row_ids_np = np.array(row_ids, dtype=object)
             if steady is not None:
                 steady.staged = (row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np)
-        verify_np = self._count_computed(row_records, counts, slots_np)
+        verify_np = self._verify_rows(slots_np)
         return HostStep(
             events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,
             tuple(plan.preempts), query_start_loc, verify_np, row_ids_np,
         )
 
-    def _count_computed(self, records: list, counts: list[int], slots: np.ndarray) -> np.ndarray | None:
-        """Each live row's record computes its scheduled tokens; returns the rows that verify
-        drafts (a speculative lifecycle's decode rows; None for other lifecycles)."""
-        live_rows = np.flatnonzero(self._is_live[self.slot_state[slots]]).tolist()
-        verify = np.zeros(len(records), dtype=bool) if self.oracle.spec.verify_loop else None
-        for i in live_rows:
-            record = records[i]
-            if record is None:
-                continue
-            if verify is not None:
-                verify[i] = record.num_computed >= record.prompt_len
-            record.num_computed += counts[i]
-        return verify
+    def _verify_rows(self, slots: np.ndarray) -> np.ndarray | None:
+        """The rows that verify drafts (a speculative lifecycle's decode rows: live, prompt
+        done); None for other lifecycles. num_computed itself comes back in the step's output."""
+        if not self.oracle.spec.verify_loop:
+            return None
+        rows = self.rows
+        return self._is_live[rows.state[slots]] & (rows.num_computed[slots] >= rows.prompt_len[slots])
 
     # -- after the step ------------------------------------------------------------------
 
     def observe(
         self, host: HostStep, packed: np.ndarray, explain: Callable[[list[int]], list[str]] | None = None,
     ) -> tuple[np.ndarray, list[FinishedRequest]]:
-        """Refresh the mirror from the step's copied output [B, OUT_CODES + Q].
+        """Write the step's copied output [B, OUT_CODES + Q] into the request table.
 
         Returns (indices of rows that published a frame, requests that ended this step).
         `explain(slots)` gives the detail of the requests that ended with reason error (read
@@ -250,32 +237,21 @@ class Ledger(PlanChecks):
             return np.zeros(0, dtype=np.int64), ended
         slots = host.slots_np[real]
         was_terminal = self._is_terminal[self.slot_state[slots]]
-        self.slot_state[slots] = packed[real, OUT_STATE]
-        self.slot_frames[slots] = packed[real, OUT_NUM_FRAMES]
-        self.slot_reason[slots] = packed[real, OUT_REASON]
-        if host.verify_np is not None:
-            self._computed_from_device(host, real)
+        rows = self.rows
+        rows.state[slots] = packed[real, OUT_STATE]
+        rows.num_frames[slots] = packed[real, OUT_NUM_FRAMES]
+        rows.reason[slots] = packed[real, OUT_REASON]
+        rows.num_computed[slots] = packed[real, OUT_NUM_COMPUTED]
         now_terminal = self._is_terminal[packed[:, OUT_STATE]] & real
         newly = np.flatnonzero(now_terminal & ~_scatter(real, was_terminal))
         errors = [int(host.slots_np[row]) for row in newly if packed[row, OUT_REASON] == int(FinishReason.ERROR)]
         details = iter(explain(errors) if errors and explain is not None else ())
         for row in newly:
-            record = self.sync(host.row_records[row])
+            record = host.row_records[row]
             detail = next(details, "") if record.finish_reason is FinishReason.ERROR else ""
             ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames, detail))
         return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
 
-
-    def _computed_from_device(self, host: HostStep, real: np.ndarray) -> None:
-        """A verify row computes only the positions it sampled (the rest is rolled back on the
-        device), so the host's count of scheduled tokens is corrected from the slot table. The
-        packed output is on the host already: this small read waits for nothing."""
-        rows = np.flatnonzero(real)
-        computed = self.table.num_computed[torch.from_numpy(host.slots_np[rows]).to(self.table.device)].cpu().numpy()
-        for row, value in zip(rows.tolist(), computed.tolist()):
-            record = host.row_records[row]
-            if record is not None and record.slot is not None:
-                record.num_computed = value
 
     def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
         """A step whose model raised: its scheduled and newly admitted live requests end
@@ -292,17 +268,13 @@ class Ledger(PlanChecks):
         for record in affected.values():
             if record.slot is None:
                 continue
-            self.sync(record)
             if record.state in self.terminal_states:
                 continue
             before.append(int(record.state))
-            self.oracle.fire_all(record.fsm, (Trigger.ABORT, Trigger.RELEASE))
-            self.slot_state[record.slot] = self._dest[Trigger.RELEASE, self._dest[Trigger.ABORT, before[-1]]]
-            self.slot_reason[record.slot] = 0
             slots.append(record.slot)
-            self.allocator.release(record.slot)
+            self.oracle.fire_all(record, (Trigger.ABORT, Trigger.RELEASE))
+            self._vacate(record)
             del self.records[record.request_id]
-            record.slot, record.serial = None, 0
             ended.append(FinishedRequest(record.request_id, FinishReason.ERROR, record.num_frames, detail))
         return slots, before, ended
 
@@ -319,5 +291,3 @@ def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
     out[mask] = values
     return out
 
-
-_LABELS = [s.label for s in State]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import EngineInvariantError
-from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_REASON, OUT_STATE, StepBatch
+from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_NUM_COMPUTED, OUT_REASON, OUT_STATE, StepBatch
 from ..lifecycle import Predicate
 from ..model_api import ColumnSpec, FrameDraws, ModelSpec, MtpResult
 from ..sampling.faults import FAULT_PAYLOAD, fault_word
@@ -154,4 +154,5 @@ class DevicePipeline:
         # The rows' state and reason after the whole step (publication ran before sampling).
         packed[:, OUT_STATE] = table.state[slot].to(packed.dtype)
         packed[:, OUT_REASON] = table.finish_reason[slot].to(packed.dtype)
+        packed[:, OUT_NUM_COMPUTED] = table.num_computed[slot].to(packed.dtype)
         return packed

@@ -18,7 +18,7 @@ class PlanChecks:
     oracle, allocator and admission, and changes nothing but the steady-batch cache)."""
 
     def _check_host_trigger(self, record: RequestRecord, trigger: Trigger) -> None:
-        if not self.oracle.may(record.fsm, trigger):
+        if not self.oracle.may(record, trigger):
             raise LifecycleError(record.request_id, record.state, trigger)
 
     def _validate(self, plan: StepPlan) -> dict[str, object]:
@@ -129,8 +129,6 @@ class PlanChecks:
     def _validate_span(self, span: Span, gone: set[str], seen: set[str], prepared: dict) -> None:
         rid = span.request_id
         record = self.records.get(rid)
-        if record is not None:
-            self.sync(record)
         if rid in seen:
             raise PlanError(rid, None, "scheduled in two rows of one step")
         seen.add(rid)

@@ -64,7 +64,7 @@ class Scheduler:
         if self.ledger.drop_queued(request_id) is not None:
             return "dropped"
         record = self.ledger.records.get(request_id)
-        if record is None or request_id in self._aborts or self.ledger.sync(record).state in self.ledger.terminal_states:
+        if record is None or request_id in self._aborts or record.state in self.ledger.terminal_states:
             return "ignored"
         self._aborts[request_id] = None
         return "scheduled"
@@ -75,7 +75,7 @@ class Scheduler:
         record = self.ledger.records.get(request_id)
         if record is None or record.slot is None or request_id in self._aborts:
             return False
-        if not self.ledger.oracle.may(self.ledger.sync(record).fsm, Trigger.PREEMPT):
+        if not self.ledger.oracle.may(record, Trigger.PREEMPT):
             return False
         self._preempts[request_id] = None
         return True
@@ -104,7 +104,7 @@ class Scheduler:
         # first under pressure: they hold a slot and compute nothing.
         resting = sorted((r for rid, r in records.items() if r.slot is not None and rid not in gone
                           and r.state not in ledger.live_states and r.state not in ledger.terminal_states
-                          and ledger.oracle.may(r.fsm, Trigger.PREEMPT)), key=lambda r: r.serial)
+                          and ledger.oracle.may(r, Trigger.PREEMPT)), key=lambda r: r.serial)
         preempts = [r.request_id for r in (*running, *resting) if r.request_id in self._preempts]
         waiting_resumes = [rid for rid in self._preempted if rid not in gone and ledger.ready_to_resume(records[rid])]
         head = next(iter(ledger.queued), None)

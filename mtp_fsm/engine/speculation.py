@@ -7,7 +7,7 @@ import attrs
 import torch
 
 from ..errors import ModelBindingError
-from ..kernels.contract import OUT_ERROR, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, StepBatch
+from ..kernels.contract import OUT_ERROR, OUT_NUM_COMPUTED, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, StepBatch
 from ..kernels.reference import in_class
 from ..lifecycle import CLASS_LIVE
 from ..model_api import ColumnSpec, DraftInputs
@@ -137,7 +137,8 @@ class SpeculativeStep:
         self._propose(batch, owned, start, inputs, hidden, positions, token_slots)
         out = torch.stack(packed, dim=1)
         for column, values in ((OUT_STATE, table.state), (OUT_REASON, table.finish_reason),
-                               (OUT_ERROR, table.error), (OUT_NUM_FRAMES, table.num_frames)):
+                               (OUT_ERROR, table.error), (OUT_NUM_FRAMES, table.num_frames),
+                               (OUT_NUM_COMPUTED, table.num_computed)):
             out[:, :, column] = values[slot].to(out.dtype)[:, None]
         return out.reshape(-1, out.shape[-1])
 

@@ -11,7 +11,7 @@ import torch
 TextStep = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Layout of the packed per-row output every backend writes (one device-to-host copy per step).
-OUT_VALID, OUT_FRAME_INDEX, OUT_STATE, OUT_REASON, OUT_ERROR, OUT_NUM_FRAMES, OUT_CODES = range(7)
+OUT_VALID, OUT_FRAME_INDEX, OUT_STATE, OUT_REASON, OUT_ERROR, OUT_NUM_FRAMES, OUT_NUM_COMPUTED, OUT_CODES = range(8)
 
 
 @attrs.frozen

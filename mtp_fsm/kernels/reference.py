@@ -354,5 +354,5 @@ def publish_frames(
     table.num_frames[slot] = num_frames
     _record(table, slot, result)
     columns = [ready.long(), frame_index, result.state.long(), table.finish_reason[slot].long(),
-               table.error[slot].long(), num_frames]
+               table.error[slot].long(), num_frames, table.num_computed[slot].long()]
     return torch.cat([torch.stack(columns, dim=1), torch.where(ready[:, None], codes, 0)], dim=1)

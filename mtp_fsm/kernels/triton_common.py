@@ -61,6 +61,7 @@ O_STATE = tl.constexpr(contract.OUT_STATE)
 O_REASON = tl.constexpr(contract.OUT_REASON)
 O_ERROR = tl.constexpr(contract.OUT_ERROR)
 O_NUM_FRAMES = tl.constexpr(contract.OUT_NUM_FRAMES)
+O_NUM_COMPUTED = tl.constexpr(contract.OUT_NUM_COMPUTED)
 O_CODES = tl.constexpr(contract.OUT_CODES)
 
 

@@ -19,7 +19,8 @@ import triton.language as tl
 from .triton_common import (
     B_ALL_EOC, B_CB0_FAULT, B_EOC_FRAME, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE,
     B_EOS_FRAME, B_RAMP_DONE, B_DRAFT_ACCEPTED, C_IN_STEP, C_LIVE, C_VACANT,
-    E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID,
+    E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE,
+    O_VALID,
     add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
 from ..sampling.faults import FAULT_CODEBOOK_SHIFT
@@ -359,6 +360,7 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     tl.store(out + O_REASON, reason.to(tl.int64), mask=rm)
     tl.store(out + O_ERROR, err.to(tl.int64), mask=rm)
     tl.store(out + O_NUM_FRAMES, num_frames, mask=rm)
+    tl.store(out + O_NUM_COMPUTED, tl.load(computed_ptr + slot, mask=rm, other=0), mask=rm)
     tl.store(out[:, None] + O_CODES + q[None, :], tl.where(ready[:, None], codes, 0), mask=qm)
 
 

@@ -46,9 +46,12 @@ class Oracle:
     test suite can prove it exercised the whole spec.
     """
 
-    def __init__(self, spec: LifecycleSpec) -> None:
+    def __init__(self, spec: LifecycleSpec, model_attribute: str = "state") -> None:
+        """model_attribute: where a model object keeps its state label (RequestFSM: `state`;
+        the engine's request records: `label`, a view of the host request table)."""
         self.spec = spec
-        self.machine: Machine = spec.build_machine()
+        self._attribute = model_attribute
+        self.machine: Machine = spec.build_machine(model_attribute=model_attribute)
         self._read = spec.predicates_read()  # the facts a stage needs: those some guard reads
         self.fired: Counter[tuple[Trigger, State]] = Counter()
 
@@ -77,7 +80,7 @@ class Oracle:
     def may(self, fsm: RequestFSM, trigger: Trigger) -> bool:
         # A state outside this variant (e.g. `sampled` without MTP) is as illegal as a missing edge.
         event = self.machine.events.get(trigger.label)
-        return event is not None and fsm.state in event.transitions
+        return event is not None and getattr(fsm, self._attribute) in event.transitions
 
     def run_stage(self, fsm: RequestFSM, stage: Stage, facts: dict[Predicate, bool]) -> Trigger | None:
         """Try the stage's triggers in order through `transitions` (which evaluates each

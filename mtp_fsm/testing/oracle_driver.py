@@ -30,11 +30,36 @@ from ..engine import LockstepEngine, Span, StepOutput, StepPlan
 from ..lifecycle import FinishReason, Oracle, Phase, Predicate, RequestFSM, State, Trigger, length_reached, prompt_done
 from ..lifecycle.predicates import delay_facts, eos_frame
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import FEED_COUNT, FEED_DONE, ModelSpec
-from ..engine.records import RequestRecord
+from ..model_api import FEED_COUNT, FEED_DONE, ModelSpec, PreparedPrompt
 from .alone import RequestDef
 from .references import ReferenceRuns
 
+
+
+class DriverRecord:
+    """The expected world's own record of a request (plain fields and its own `transitions`
+    model; nothing shared with the engine's request table)."""
+
+    __slots__ = ("request", "fsm", "prepared", "slot", "prompt_len", "num_computed", "num_frames", "finish_reason")
+
+    def __init__(self, request, fsm: RequestFSM, prepared: PreparedPrompt) -> None:
+        self.request, self.fsm, self.prepared = request, fsm, prepared
+        self.slot: int | None = None
+        self.prompt_len = self.base_prompt_len
+        self.num_computed = self.num_frames = 0
+        self.finish_reason = FinishReason.NONE
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def state(self) -> State:
+        return self.fsm.code
+
+    @property
+    def base_prompt_len(self) -> int:
+        return int(self.prepared.prompt_embeds.shape[0])
 
 @attrs.define
 class Expected:
@@ -72,7 +97,7 @@ class OracleDriver:
         self.oracle = Oracle(lifecycle)
         self.lifecycle, self.classes = lifecycle, lifecycle.classes
         self._stop_in_mtp = Predicate.MTP_STOP in lifecycle.predicates_read()
-        self.requests: dict[str, RequestRecord] = {}
+        self.requests: dict[str, DriverRecord] = {}
         self._free = list(range(max_slots))  # lowest free slot first, like the engine must
         self.steps = 0
         self.has_feed = spec.has_feed
@@ -85,7 +110,7 @@ class OracleDriver:
     def num_free(self) -> int:
         return len(self._free)
 
-    def _next_row(self, r: RequestRecord) -> int:
+    def _next_row(self, r: DriverRecord) -> int:
         """The conditioning row the request's next decode step reads: its text step carries
         the last published frame."""
         return max(r.num_frames - 1, 0)
@@ -150,7 +175,7 @@ class OracleDriver:
         for q in plan.new_requests:
             # The expected world's own record of the request (same type as the engine's, not shared).
             prepared = self.refs.prepared(q.inputs)
-            r = RequestRecord(q, self.oracle.new(q.request_id), prepared)
+            r = DriverRecord(q, self.oracle.new(q.request_id), prepared)
             fire(r.fsm, Trigger.ADMIT)
             self.requests[r.request_id] = r
             if self.has_feed:
@@ -176,7 +201,7 @@ class OracleDriver:
         facts.done = bool(done)
         return bool(self._refresh([r])[1])
 
-    def _refresh(self, records: list[RequestRecord]) -> tuple[list[str], list[str]]:
+    def _refresh(self, records: list[DriverRecord]) -> tuple[list[str], list[str]]:
         """STARVE for slot-holding decoding requests missing their next row, FEED for starved
         ones that have it (request ids starved, fed)."""
         starved: list[str] = []
@@ -195,7 +220,7 @@ class OracleDriver:
                 fed.append(r.request_id)
         return starved, fed
 
-    def _release(self, r: RequestRecord) -> None:
+    def _release(self, r: DriverRecord) -> None:
         heapq.heappush(self._free, r.slot)
         r.slot = None
 
@@ -240,7 +265,7 @@ class OracleDriver:
         exp.valid.append(published)
         exp.row_triggers.append((r.request_id, tuple(t for t, _ in edges)))
 
-    def _alone(self, r: RequestRecord):
+    def _alone(self, r: DriverRecord):
         """The request's alone run with its whole conditioning feed upfront: rows fed late
         must not change a frame."""
         d = RequestDef.of(r.request)
@@ -250,7 +275,7 @@ class OracleDriver:
             key = self._whole[d] = d if whole is None else attrs.evolve(d, inputs=whole())
         return self.refs.get(key)
 
-    def _frame_facts(self, r: RequestRecord) -> dict[Predicate, bool]:
+    def _frame_facts(self, r: DriverRecord) -> dict[Predicate, bool]:
         """The facts about the frame the row would publish (its alone run's next one): the
         delay pattern's, and whether it is a stop frame."""
         pattern, alone = self.spec.delay_pattern, self._alone(r).frames
@@ -262,7 +287,7 @@ class OracleDriver:
     def _publishes(self, edge) -> bool:
         return self.lifecycle.transition(*edge).publishes
 
-    def _outcome(self, r: RequestRecord) -> dict[str, bool]:
+    def _outcome(self, r: DriverRecord) -> dict[str, bool]:
         """What the kept sample at the request's next frame index is, per the alone run."""
         f, run = r.num_frames, self._alone(r)
         if f < len(run.frames):
@@ -276,7 +301,7 @@ class OracleDriver:
             return {"eos": True}
         return {run.error_kind: True}
 
-    def _end(self, r: RequestRecord, reason: FinishReason, exp: Expected) -> None:
+    def _end(self, r: DriverRecord, reason: FinishReason, exp: Expected) -> None:
         r.finish_reason = reason
         exp.finished[(r.request_id, reason, r.num_frames)] += 1
 
@@ -376,6 +401,6 @@ class OracleDriver:
             if state[slot] in self.classes.in_step:
                 raise AssertionError(f"slot {slot} rests in within-step state {State(state[slot]).label}")
 
-    def live(self) -> list[RequestRecord]:
+    def live(self) -> list[DriverRecord]:
         return [r for r in self.requests.values() if r.slot is not None and r.state in self.classes.live]
 

@@ -273,7 +273,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _snapshot(self):
         ledger = self.engine.ledger
         columns = {k: v.clone() for k, v in self.engine.table.columns().items()}
-        synced = ((rid, ledger.sync(r)) for rid, r in ledger.records.items())
+        synced = ledger.records.items()
         records = {rid: (r.slot, r.serial, r.num_computed, r.num_frames, r.state, r.feed_count, r.feed_done)
                    for rid, r in synced}
         cache = getattr(self.engine.model, "cache", None)

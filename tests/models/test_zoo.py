@@ -315,7 +315,7 @@ class PlanDriver:
 
     def step(self) -> bool:
         engine, ledger = self.engine, self.engine.ledger
-        records = {rid: ledger.sync(r) for rid, r in ledger.records.items()}
+        records = dict(ledger.records)
         for rid in [rid for rid in self.unfed if rid in self.finished]:
             del self.unfed[rid]  # ended (length) before its feed came: nothing to feed
         for rid in list(self.unfed):  # late feeds: a conditioned request may sit in `starved` meanwhile
@@ -533,7 +533,7 @@ def two_running(zoo: Zoo, slots: int = 3):
             rows = []
             for rid in ("a", "b"):
                 record = engine.ledger.records.get(rid)
-                if record is not None and engine.ledger.sync(record).state in engine.ledger.live_states:
+                if record is not None and record.state in engine.ledger.live_states:
                     left = record.prompt_len - record.num_computed
                     rows.append(Span(rid, left if left > 0 else 1))
             if not rows:
