@@ -100,7 +100,7 @@ class PlanChecks:
         if simple:
             slots = np.fromiter((records[i].slot for i in simple), np.int64, len(simple))
             tokens = np.fromiter((spans[i].num_tokens for i in simple), np.int64, len(simple))
-            remaining = np.fromiter((records[i].prompt_len - records[i].num_computed for i in simple), np.int64, len(simple))
+            remaining = self.rows.prompt_len[slots] - self.rows.num_computed[slots]
             state = self.slot_state[slots]
             live, terminal = self._is_live[state], self._is_terminal[state]
             wrong = (tokens < 1) | (~live & ~terminal)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from ..errors import ConfigurationError, MtpFsmError
 from ..lifecycle import Trigger
@@ -91,47 +92,55 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        ledger = self.ledger
-        records = dict(ledger.all_records())
+        ledger, columns = self.ledger, self.ledger.rows
+        records = ledger.records
+        ids, held = list(records), list(records.values())
+        # The slot holders' facts, read from the request table's columns in one pass (a record
+        # is a view of its row: reading field by field would cost a call per request and field).
+        slot = np.fromiter((-1 if r.slot is None else r.slot for r in held), np.int64, len(held))
+        at = np.where(slot >= 0, slot, ledger.table.max_slots)
+        code = columns.state[at]
+        holds = slot >= 0
+        terminal, live = holds & ledger._is_terminal[code], holds & ledger._is_live[code]
+        order = np.argsort(columns.serial[at], kind="stable")  # admission order
         aborts = tuple(rid for rid in self._aborts if rid in records and records[rid].state not in ledger.terminal_states)
         gone = set(aborts)
-        releases = tuple(rid for rid, r in records.items()
-                         if r.slot is not None and r.state in ledger.terminal_states and rid not in gone)
-        running = sorted((r for rid, r in records.items() if r.slot is not None and r.state in ledger.live_states
-                          and rid not in gone), key=lambda r: r.serial)
+        releases = tuple(ids[i] for i in np.flatnonzero(terminal).tolist() if ids[i] not in gone)
+        running = [i for i in order[live[order]].tolist() if ids[i] not in gone]
         free = ledger.allocator.num_free + len(releases) + sum(records[rid].slot is not None for rid in aborts)
         # Requests resting with a slot (starved: waiting for conditioning rows) are preempted
         # first under pressure: they hold a slot and compute nothing.
-        resting = sorted((r for rid, r in records.items() if r.slot is not None and rid not in gone
-                          and r.state not in ledger.live_states and r.state not in ledger.terminal_states
-                          and ledger.oracle.may(r, Trigger.PREEMPT)), key=lambda r: r.serial)
-        preempts = [r.request_id for r in (*running, *resting) if r.request_id in self._preempts]
+        resting = [i for i in order[(holds & ~live & ~terminal)[order]].tolist()
+                   if ids[i] not in gone and ledger.oracle.may(held[i], Trigger.PREEMPT)]
+        preempts = [ids[i] for i in (*running, *resting) if ids[i] in self._preempts]
         waiting_resumes = [rid for rid in self._preempted if rid not in gone and ledger.ready_to_resume(records[rid])]
         head = next(iter(ledger.queued), None)
         blocked = head is not None and free + len(preempts) <= 0 and not waiting_resumes
         limit = self.policy.preempt_after_steps
         if blocked and limit is not None and self._head_waits(head) > limit and not preempts and (resting or running):
-            preempts.append((resting or running)[-1].request_id)  # a resting one, else the most recently admitted
+            preempts.append(ids[(resting or running)[-1]])  # a resting one, else the most recently admitted
             blocked = False
         free += len(preempts)
         gone.update(preempts)
 
         budget, rows = self.policy.token_budget, []
-        live = [r for r in running if r.request_id not in gone]
+        remaining = (columns.prompt_len[at] - columns.num_computed[at]).tolist()
+        live_rows = [i for i in running if ids[i] not in gone]
         width = ledger.decode_width  # 1, or the last token plus the drafts of a speculative engine
         spans: dict[str, Span] = {}
-        for r in live:  # decode rows first: they carry audio a listener is waiting for
-            if not r.in_prefill and budget >= width:
+        for i in live_rows:  # decode rows first: they carry audio a listener is waiting for
+            if remaining[i] <= 0 and budget >= width:
                 # The same Span objects step after step: the ledger recognises an unchanged
                 # decode batch by comparing rows, which is a pointer walk for identical objects.
-                span = self._decode_spans.get(r.request_id) or Span(r.request_id, width)
-                spans[r.request_id] = span
+                rid = ids[i]
+                span = self._decode_spans.get(rid) or Span(rid, width)
+                spans[rid] = span
                 rows.append(span)
                 budget -= width
         self._decode_spans = spans
-        for r in live:
-            if r.in_prefill and budget > 0:
-                budget -= self._chunk(rows, r.request_id, r.prompt_len - r.num_computed, budget)
+        for i in live_rows:
+            if remaining[i] > 0 and budget > 0:
+                budget -= self._chunk(rows, ids[i], remaining[i], budget)
         resumes = []
         for rid in waiting_resumes:
             if free <= 0 or budget <= 0:
