@@ -314,7 +314,8 @@ class LockstepEngine:
             torch.cuda.current_stream(self.device).synchronize()
         self.step_count += 1
         output = self._build_output(host, packed.numpy(), packed)
-        self.feeds.refresh()  # decoding requests whose next conditioning row is missing rest in starved
+        if self.feeds.enabled:  # decoding requests whose next conditioning row is missing rest in starved
+            self.feeds.refresh()
         return output
 
     # -- device pipeline ----------------------------------------------------------------
