@@ -56,9 +56,12 @@ def token_hash(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _gumbel_table_cpu() -> torch.Tensor:
-    # Midpoints of 2**16 equal bins of (0, 1), computed once in float64 then rounded.
+    # Midpoints of 2**16 equal bins of (0, 1), computed once in float64 then rounded; the log is
+    # mtp_fsm.invariant's, so the table is the same on every CPU kernel set.
+    from .. import invariant
+
     u = (torch.arange(NOISE_TABLE_SIZE, dtype=torch.float64) + 0.5) / NOISE_TABLE_SIZE
-    return (-torch.log(-torch.log(u))).to(torch.float32)
+    return (-invariant.log(-invariant.log(u))).to(torch.float32)
 
 
 _device_tables: dict[torch.device, torch.Tensor] = {}
