@@ -22,9 +22,8 @@ from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, StepPlan
 from .admission import Admission
 from .records import RequestRecord, RequestTable
-from .staging import RowBatches, stage_admits
-from .plan_checks import PlanChecks
-from .steady import SteadyRows
+from .staging import RowBatches, stage_admits, upload
+from .plan_checks import PlanChecks, StagedRows, SteadyRows
 
 
 @attrs.define
@@ -189,14 +188,16 @@ class Ledger(PlanChecks):
         if ev_slots:
             device = self.table.device
             events = StagedEvents(
-                torch.tensor(ev_slots, dtype=torch.int64).to(device),
-                torch.tensor(ev_triggers, dtype=torch.int64).to(device),
-                torch.tensor(ev_reasons, dtype=torch.int32).to(device),
+                upload(torch.tensor(ev_slots, dtype=torch.int64), device),
+                upload(torch.tensor(ev_triggers, dtype=torch.int64), device),
+                upload(torch.tensor(ev_reasons, dtype=torch.int32), device),
             )
         admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT))
         steady = self._steady if self._steady is not None and self._steady.matches(plan.rows, self.generation) else None
         if steady is not None and steady.staged is not None:
-            row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np = steady.staged
+            s = steady.staged
+            row_records, batch, slots_np, query_start_loc, row_ids, row_ids_np = (
+                s.records, s.batch, s.slots_np, s.query_start_loc, s.row_ids, s.row_ids_np)
         else:
             row_records = [None if s is None else self.records[s.request_id] for s in plan.rows]
             counts = [0 if s is None else s.num_tokens for s in plan.rows]
@@ -204,7 +205,7 @@ class Ledger(PlanChecks):
             row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
             row_ids_np = np.array(row_ids, dtype=object)
             if steady is not None:
-                steady.staged = (row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np)
+                steady.staged = StagedRows(row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np)
         verify_np = self._verify_rows(slots_np)
         return HostStep(
             events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,

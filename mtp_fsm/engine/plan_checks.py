@@ -1,16 +1,55 @@
 """Plan validation, all-or-nothing, for the host ledger: every host trigger through the
-oracle, every row against the mirror (vectorised; the steady decode batch on arrays alone),
-and a message naming the request, its state and what is wrong when anything fails."""
+lifecycle's machine, every row against the request table (vectorised; the steady decode
+batch, a plan whose rows equal the last validated one, on arrays alone), and a message
+naming the request, its state and what is wrong when anything fails."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 from ..errors import DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError
 from ..lifecycle import State, Trigger
 from .plan import Span, StepPlan
 from .records import RequestRecord
-from .steady import SteadyRows
+
+
+@attrs.frozen
+class StagedRows:
+    """The host staging of a steady batch's rows (Ledger.stage), reused while it stays steady."""
+
+    records: list  # RequestRecord | None per row
+    counts: list  # tokens per row
+    batch: object  # the StepBatch on the device
+    slots_np: np.ndarray
+    query_start_loc: object  # host tensor
+    row_ids: tuple
+    row_ids_np: np.ndarray
+
+
+@attrs.define
+class SteadyRows:
+    """What validating and staging `rows` produced, reused while `generation` (bumped by
+    every admission, release, abort, preemption, resume and failed step) is unchanged: then
+    the same request ids hold the same records and slots, and a decode row stays one."""
+
+    rows: tuple
+    generation: int
+    slots: np.ndarray  # int64 [B], the rows' slots (scratch for padding)
+    tokens: np.ndarray  # int64 [B], tokens per row (0 for padding)
+    real: np.ndarray  # bool [B], not padding
+    staged: StagedRows | None = None
+
+    def matches(self, rows: tuple, generation: int) -> bool:
+        return generation == self.generation and rows == self.rows
+
+    def states_ok(self, slot_state: np.ndarray, is_live: np.ndarray, is_terminal: np.ndarray,
+                  decode_width: int) -> bool:
+        """Every real row is live with a decode row's width, or ended with one overrun token."""
+        state = slot_state[self.slots[self.real]]
+        tokens = self.tokens[self.real]
+        live, terminal = is_live[state], is_terminal[state]
+        return bool(np.all(np.where(live, tokens == decode_width, terminal & (tokens == 1))))
 
 
 class PlanChecks:

@@ -41,7 +41,7 @@ def _home(tensors, device: torch.device) -> torch.device:
     return device if any(t is not None and t.device == device for t in tensors) else torch.device("cpu")
 
 
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor to a CUDA device through pinned memory (an async copy: no host sync)."""
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
@@ -71,8 +71,8 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
         "mtp_top_p": [p.top_p for p in mtp],
     }
     columns = table.columns()
-    staged = {k: _upload(torch.tensor(v, dtype=columns[k].dtype), device) for k, v in values.items()}
-    staged["prompt_embeds"] = _upload(prompts, device)
+    staged = {k: upload(torch.tensor(v, dtype=columns[k].dtype), device) for k, v in values.items()}
+    staged["prompt_embeds"] = upload(prompts, device)
     for name in table.extra:
         given = [r.column_value(name) for r in admitted]
         if all(g is None for g in given):
@@ -84,8 +84,8 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
         for i, g in enumerate(given):
             if g is not None:
                 stacked[i][tuple(slice(0, n) for n in g.shape)] = g.to(home)
-        staged[name] = _upload(stacked, device)
-    slots = _upload(torch.tensor([r.slot for r in admitted], dtype=torch.int64), device)
+        staged[name] = upload(stacked, device)
+    slots = upload(torch.tensor([r.slot for r in admitted], dtype=torch.int64), device)
     replays = [(r, r.replay_codes) for r in admitted if r.replay_codes is not None and len(r.replay_codes)]
     replay = None
     if replays:
@@ -95,12 +95,12 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
         for i, r in enumerate(admitted):
             if r.replay_codes is not None:
                 log[i, : len(r.replay_codes)] = r.replay_codes.to(home)
-        staged["frame_log"] = _upload(log, device)
+        staged["frame_log"] = upload(log, device)
         # The last published frame (what a delay pattern's wind-down and a payload's `previous`
         # continue from): row i's log at its frame count - 1 (zeros for a row with none).
-        frames = _upload(torch.tensor([0 if r.replay_codes is None else len(r.replay_codes) for r in admitted]), home)
+        frames = upload(torch.tensor([0 if r.replay_codes is None else len(r.replay_codes) for r in admitted]), home)
         last = log[torch.arange(len(admitted), device=home), (frames - 1).clamp(min=0)]
-        staged["frame_codes"] = _upload(torch.where((frames > 0)[:, None], last, 0), device)
+        staged["frame_codes"] = upload(torch.where((frames > 0)[:, None], last, 0), device)
         # The repetition penalty's CB0 counts, rebuilt exactly from the replayed frames (a
         # scatter-add: bincount would read its output size back from the device).
         counts = torch.zeros(len(admitted), table.cb0_counts.shape[1], dtype=table.cb0_counts.dtype, device=home)
@@ -108,12 +108,12 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
             if r.replay_codes is not None and len(r.replay_codes):
                 cb0 = r.replay_codes[:, 0].to(home).clamp(0, counts.shape[1] - 1)
                 counts[i].scatter_add_(0, cb0, torch.ones_like(cb0, dtype=counts.dtype))
-        staged["cb0_counts"] = _upload(counts, device)
+        staged["cb0_counts"] = upload(counts, device)
         replay = ReplayFrames(
-            slots=_upload(torch.cat([torch.full((len(c),), r.slot, dtype=torch.int64) for r, c in replays]), device),
-            frame_index=_upload(torch.cat([torch.arange(len(c)) for _, c in replays]), device),
-            positions=_upload(torch.cat([torch.arange(len(c)) + r.base_prompt_len for r, c in replays]), device),
-            codes=_upload(torch.cat([c.to(home) for _, c in replays]), device),
+            slots=upload(torch.cat([torch.full((len(c),), r.slot, dtype=torch.int64) for r, c in replays]), device),
+            frame_index=upload(torch.cat([torch.arange(len(c)) for _, c in replays]), device),
+            positions=upload(torch.cat([torch.arange(len(c)) + r.base_prompt_len for r, c in replays]), device),
+            codes=upload(torch.cat([c.to(home) for _, c in replays]), device),
         )
         for r, _ in replays:
             r.replay_codes = None
