@@ -69,3 +69,64 @@ def test_a_record_without_a_slot_parks_its_counters():
     if record is not None and record.slot is None:  # preempted: frames kept, no row
         assert record.state.label == "preempted" and record.num_frames >= 1
     assert torch.equal(engine.table.state[:1].cpu().long(), torch.from_numpy(engine.ledger.rows.state[:1]))
+
+
+def test_debug_mode_runs_clean_on_every_variant():
+    """debug=True checks every step (host vs device table, state moves vs the transitions machine)."""
+    from mtp_fsm.testing.determinism import SCRIPTED, workload
+
+    for name in (*SCRIPTED, "mtp_lm_speculative"):
+        load = workload(name, num_requests=4, max_frames=5) if name != "mtp_lm_speculative" else None
+        model, requests, k = (load.model, load.requests, 0) if load else (
+            ScriptedTalker(num_codebooks=1, draft_miss=2), None, 2)
+        engine = LockstepEngine(model, 2, kernels="torch", speculate=k, debug=True,
+                                policy=SchedulingPolicy(token_budget=12, prefill_chunk=3, preempt_after_steps=1))
+        if requests is None:
+            from mtp_fsm.engine import NewRequest
+            from mtp_fsm.testing.scripted import ScriptInputs
+            requests = [NewRequest(f"r{i}", ScriptInputs(prompt=(1, 2 + i)), max_frames=6) for i in range(3)]
+        results = engine.generate(requests)
+        assert all(g.finished is not None for g in results.values()), name
+
+
+def test_debug_mode_names_the_request_when_host_and_device_disagree():
+    import pytest
+
+    from mtp_fsm.engine import NewRequest
+    from mtp_fsm.errors import EngineInvariantError
+    from mtp_fsm.testing.scripted import ScriptInputs
+
+    engine = LockstepEngine(scripted_mtp(), 2, kernels="torch", debug=True)
+    engine.add_request(NewRequest("victim", ScriptInputs(prompt=(1, 2, 3)), max_frames=6))
+    engine.step()
+    slot = engine.ledger.records["victim"].slot
+    engine.table.prompt_len[slot] += 7  # a kernel bug writing a column only admission may write
+    with pytest.raises(EngineInvariantError, match="'victim'.*prompt_len"):
+        engine.step()
+
+
+def test_debug_mode_refuses_a_move_no_stage_sequence_allows():
+    import pytest
+
+    from mtp_fsm.engine import NewRequest
+    from mtp_fsm.engine.debug_checks import reachable_in_a_step
+    from mtp_fsm.errors import EngineInvariantError
+    from mtp_fsm.lifecycle import State
+    from mtp_fsm.testing.scripted import ScriptInputs
+
+    engine = LockstepEngine(scripted_mtp(), 2, kernels="torch", debug=True)
+    reach = reachable_in_a_step(engine.lifecycle)
+    assert State.FINISHED in reach[State.DECODING] and State.WAITING not in reach[State.DECODING]
+    engine.add_request(NewRequest("r", ScriptInputs(prompt=(1, 2)), max_frames=6))
+    engine.step()
+    engine.step()  # decoding now
+    original = engine.kernels.publish_frames
+
+    def rewinding(table, lc, batch, *args, **kwargs):  # a kernel bug: decoding rows jump back to waiting
+        packed = original(table, lc, batch, *args, **kwargs)
+        table.state[batch.idx_mapping] = int(State.WAITING)
+        packed[:, 2] = int(State.WAITING)
+        return packed
+    engine.kernels.publish_frames = rewinding
+    with pytest.raises(EngineInvariantError, match="'r' moved 'decoding' -> 'waiting'"):
+        engine.step()

@@ -20,6 +20,7 @@ from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel, feed_columns
 from ..sampling import describe_fault
 from ..slots import SlotTable
+from .debug_checks import DebugChecks
 from .decode_graphs import DEFAULT_BUCKETS, DecodeGraphs, resolve_mode
 from .feed import ConditioningFeed
 from .model_calls import ModelFault, frame_embed_of_words, model_call
@@ -65,6 +66,7 @@ class LockstepEngine:
         speculate: int = 0,
         decode_graphs: str = "auto",
         graph_buckets: Iterable[int] = DEFAULT_BUCKETS,
+        debug: bool = False,
     ) -> None:
         """speculate=k >= 1: speculative decoding with the model's drafter (`draft`), k drafts
         verified per decode row under the `speculative` lifecycle; the frames are those of
@@ -73,7 +75,12 @@ class LockstepEngine:
         decode_graphs: decode-only steps through engine-owned padded buffers per batch bucket
         (`graph_buckets`), "cuda": captured and replayed as CUDA graphs (needs the Triton
         kernels), "eager": the same buffers run eagerly, "off": never, "auto": "cuda" where it
-        can run, else off. The frames are the same in every mode."""
+        can run, else off. The frames are the same in every mode.
+
+        debug=True: after every step, the host request table is checked against the device
+        slot table and every row's state move against the lifecycle's `transitions` machine
+        (EngineInvariantError naming the request at the first disagreement; debug_checks.py).
+        It reads the whole slot table back each step: for tests and bug hunts, not serving."""
         if type(max_slots) is not int or max_slots < 1:
             raise ConfigurationError(f"LockstepEngine: max_slots must be an int >= 1, got {max_slots!r}")
         if not isinstance(model, TalkerModel):
@@ -137,6 +144,7 @@ class LockstepEngine:
         self.graphs = None if mode == "off" else DecodeGraphs(
             mode, graph_buckets, self.table.max_slots, self.device, self._pipeline.run, strict=decode_graphs == "cuda")
         self.step_count = 0
+        self._debug = DebugChecks(self) if debug else None
         # Speculative engines: drafts proposed / accepted, frames per verify row.
         self.speculation = SpeculationStats(speculate) if speculative is not None else None
 
@@ -294,7 +302,10 @@ class LockstepEngine:
 
     def stage(self, plan: StepPlan) -> HostStep:
         """Validate the plan all-or-nothing, commit it on the host and stage device inputs."""
-        return self.ledger.stage(plan)
+        host = self.ledger.stage(plan)
+        if self._debug is not None:
+            self._debug.staged(host)
+        return host
 
     def run_device(self, host: HostStep) -> torch.Tensor:
         """Every device stage of a staged step, in order; returns the packed output (+ a
@@ -314,6 +325,8 @@ class LockstepEngine:
             torch.cuda.current_stream(self.device).synchronize()
         self.step_count += 1
         output = self._build_output(host, packed.numpy(), packed)
+        if self._debug is not None:  # before the feed's host triggers, which are not device stages
+            self._debug.finished(host)
         if self.feeds.enabled:  # decoding requests whose next conditioning row is missing rest in starved
             self.feeds.refresh()
         return output
