@@ -105,7 +105,7 @@ def test_debug_mode_names_the_request_when_host_and_device_disagree():
         engine.step()
 
 
-def test_debug_mode_refuses_a_move_no_stage_sequence_allows():
+def test_debug_mode_refuses_a_move_no_stage_sequence_allows(monkeypatch):
     import pytest
 
     from mtp_fsm.engine import NewRequest
@@ -127,6 +127,7 @@ def test_debug_mode_refuses_a_move_no_stage_sequence_allows():
         table.state[batch.idx_mapping] = int(State.WAITING)
         packed[:, 2] = int(State.WAITING)
         return packed
-    engine.kernels.publish_frames = rewinding
+    # engine.kernels is the backend module, shared by every engine: patched for this test only.
+    monkeypatch.setattr(engine.kernels, "publish_frames", rewinding)
     with pytest.raises(EngineInvariantError, match="'r' moved 'decoding' -> 'waiting'"):
         engine.step()
