@@ -75,7 +75,6 @@ class Ledger(PlanChecks):
         self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
         # The one owner of every request's state and counters on the host (records view it).
         self.rows = RequestTable(table.max_slots + 1)
-        self.slot_state = self.rows.state  # the same array, named for the vectorised checks
         # Bumped whenever a request gains or loses a record or a slot: a steady batch's cache
         # (validation and staging of identical rows) is valid only within one generation.
         self.generation = 0
@@ -237,7 +236,7 @@ class Ledger(PlanChecks):
         if not real.any():
             return np.zeros(0, dtype=np.int64), ended
         slots = host.slots_np[real]
-        was_terminal = self._is_terminal[self.slot_state[slots]]
+        was_terminal = self._is_terminal[self.rows.state[slots]]
         rows = self.rows
         rows.state[slots] = packed[real, OUT_STATE]
         rows.num_frames[slots] = packed[real, OUT_NUM_FRAMES]

@@ -125,7 +125,7 @@ class PlanChecks:
         to the last steady batch's, in the same generation, are checked on arrays alone."""
         steady, special = self._steady, gone or self._resuming or prepared
         if not special and steady is not None and steady.matches(rows, self.generation) and steady.states_ok(
-                self.slot_state, self._is_live, self._is_terminal, self.decode_width):
+                self.rows.state, self._is_live, self._is_terminal, self.decode_width):
             return
         self._steady = None
         spans = [s for s in rows if s is not None]
@@ -140,7 +140,7 @@ class PlanChecks:
             slots = np.fromiter((records[i].slot for i in simple), np.int64, len(simple))
             tokens = np.fromiter((spans[i].num_tokens for i in simple), np.int64, len(simple))
             remaining = self.rows.prompt_len[slots] - self.rows.num_computed[slots]
-            state = self.slot_state[slots]
+            state = self.rows.state[slots]
             live, terminal = self._is_live[state], self._is_terminal[state]
             wrong = (tokens < 1) | (~live & ~terminal)
             wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != self.decode_width)

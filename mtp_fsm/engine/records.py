@@ -33,6 +33,19 @@ class RequestTable:
             setattr(self, name, np.zeros(rows, dtype=np.int64))
 
 
+class _Counter:
+    """A record's counter: its table row's column while it holds a slot, else its parked value."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.column = name
+
+    def __get__(self, record, owner=None):
+        return self if record is None else record._get(self.column)
+
+    def __set__(self, record, value: int) -> None:
+        record._set(self.column, value)
+
+
 class RequestRecord:
     """What the host knows of one request: its table row (or its parked counters while it
     holds no slot) and what resume needs (the prepared prompt, the published frames' codes
@@ -100,34 +113,10 @@ class RequestRecord:
         return State(self._get("state"))
 
     code = state
-
-    @property
-    def serial(self) -> int:
-        return self._get("serial")
-
-    @serial.setter
-    def serial(self, value: int) -> None:
-        self._set("serial", value)
-
-    @property
-    def prompt_len(self) -> int:
-        return self._get("prompt_len")
-
-    @prompt_len.setter
-    def prompt_len(self, value: int) -> None:
-        self._set("prompt_len", value)
-
-    @property
-    def num_computed(self) -> int:
-        return self._get("num_computed")
-
-    @num_computed.setter
-    def num_computed(self, value: int) -> None:
-        self._set("num_computed", value)
-
-    @property
-    def num_frames(self) -> int:
-        return self._get("num_frames")
+    serial = _Counter()
+    prompt_len = _Counter()
+    num_computed = _Counter()
+    num_frames = _Counter()
 
     @property
     def finish_reason(self) -> FinishReason:

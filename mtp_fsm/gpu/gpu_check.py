@@ -161,24 +161,22 @@ def run_sync_check(name: str, make_model, requests, device, kernels: str, slots:
     pending, state, steps = list(requests), {}, 0
     label = f"no host sync {name} [{kernels}{', graphs' if graphs == 'cuda' else ''}]"
 
+    def no_sync(phase, arg):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return phase(arg)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
     def run_device(host):
         g = engine.graphs
         if g is not None and g.eligible(host) and g.key(host.batch) not in g.steps:
             return engine.run_device(host)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return engine.run_device(host)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        return no_sync(engine.run_device, host)
 
     def stage(plan):  # host staging too: admissions upload through pinned memory, nothing comes back
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return engine.stage(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        return no_sync(engine.stage, plan)
 
     try:
         for steps in range(1, 80):

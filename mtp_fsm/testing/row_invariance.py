@@ -131,23 +131,21 @@ class RowInvarianceProbe:
         self._compare("forward", out, list(range(len(positions))), padded[: len(positions)], "output (padded)")
         return full
 
-    def _cb0_logits(self, hidden):
-        original = self._originals["cb0_logits"]
-        full = original(hidden)
-        self._replay_all("cb0_logits", len(hidden), full, lambda rows: original(hidden[rows]))
+    def _per_row(self, hook: str, *args, shared: tuple = ()):
+        """A hook whose arguments (after `shared` ones) are all per row: replayed on row subsets."""
+        original = self._originals[hook]
+        full = original(*shared, *args)
+        self._replay_all(hook, len(args[0]), full, lambda rows: original(*shared, *(a[rows] for a in args)))
         return full
+
+    def _cb0_logits(self, hidden):
+        return self._per_row("cb0_logits", hidden)
 
     def _text_step(self, columns, slots, frame_index):
-        original = self._originals["text_step"]
-        full = original(columns, slots, frame_index)
-        self._replay_all("text_step", len(slots), full, lambda rows: original(columns, slots[rows], frame_index[rows]))
-        return full
+        return self._per_row("text_step", slots, frame_index, shared=(columns,))
 
     def _frame_embed(self, codes):
-        original = self._originals["frame_embed"]
-        full = original(codes)
-        self._replay_all("frame_embed", len(codes), full, lambda rows: original(codes[rows]))
-        return full
+        return self._per_row("frame_embed", codes)
 
     def _mtp(self, hidden, cb0, sample):
         original, record = self._originals["mtp"], _Recorded()
