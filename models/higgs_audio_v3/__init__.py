@@ -29,3 +29,6 @@ def text_inputs(text: str) -> HiggsInputs:
 
 
 __all__ += ["tiny_demo_talker", "text_inputs"]
+
+# The codec decoder (codes -> PCM) this talker declares, resolved by name (mtp_fsm.serving.codec.load_decoder).
+CODEC_DECODER = "models.higgs_audio_v3.codec:tiny_demo_decoder"

@@ -38,3 +38,6 @@ def text_inputs(text: str) -> VoxCPM2Inputs:
 
 
 __all__ += ["TINY_DEMO_MIN_LEN", "tiny_demo_talker", "text_inputs"]
+
+# The codec decoder (codes -> PCM) this talker declares, resolved by name (mtp_fsm.serving.codec.load_decoder).
+CODEC_DECODER = "models.voxcpm2.codec:tiny_demo_decoder"

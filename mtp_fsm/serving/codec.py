@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import pkgutil
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
@@ -49,7 +49,7 @@ class CodecDecoder(Protocol):
     lookahead_frames: int
     max_batch: int
 
-    def decode(self, frames: torch.Tensor, final: bool) -> torch.Tensor: ...
+    def decode(self, frames: torch.Tensor, final: bool) -> torch.Tensor | Sequence[torch.Tensor]: ...
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:

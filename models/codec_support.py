@@ -1,0 +1,77 @@
+"""What the talkers' codec decoders share: seeded construction, code checks, final-window padding, loading by name."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from models.safetensors_files import CheckpointError, load_by_name, weight_files
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Module construction under torch's global RNG seeded with `seed` (upstream modules draw their
+    own init from it), leaving the caller's RNG state as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def check_codes(codes: torch.Tensor, num_codebooks: int, codebook_size: int, what: str) -> None:
+    """codes int64 [B, W, Q]: Q codebooks, every id in [0, codebook_size); ValueError saying which is wrong."""
+    if codes.dim() != 3 or codes.shape[2] != num_codebooks:
+        raise ValueError(f"{what}: expected frames [B, W, {num_codebooks}], got {tuple(codes.shape)}")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= codebook_size):
+        bad = codes[(codes < 0) | (codes >= codebook_size)]
+        raise ValueError(f"{what}: code ids must be in [0, {codebook_size}), got {sorted(set(bad.tolist()))[:8]}")
+
+
+def pad_to(pcm: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, S] -> [B, length]: zeros after the end (a final window's samples past what the decoder
+    computes: upstream trims them, the stream ends in silence there)."""
+    if pcm.shape[1] >= length:
+        return pcm[:, :length]
+    return torch.nn.functional.pad(pcm, (0, length - pcm.shape[1]))
+
+
+def read_config(directory: Path, section: str | None = None) -> dict:
+    """config.json of a checkpoint directory; `section` (e.g. "code2wav_config") when the decoder's
+    config sits inside a bigger model's config, else the whole file."""
+    path = directory / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"no config.json in {directory}")
+    data = json.loads(path.read_text())
+    return data.get(section, data) if section is not None else data
+
+
+def load_module(module: nn.Module, directory: str | Path, *, prefixes: tuple[str, ...] = ("",),
+                ignore: tuple[str, ...] = (), dtype: torch.dtype = torch.float32) -> None:
+    """Fill `module`'s parameters and persistent buffers from the directory's safetensors, by name.
+
+    The checkpoint may hold the decoder under one of `prefixes` (e.g. "code2wav." in a full
+    Qwen3-Omni checkpoint); tensors under other prefixes and names starting with `ignore`
+    (e.g. an encoder the decoder does not use) are skipped. CheckpointError names every
+    missing, unexpected or mis-shaped tensor."""
+    directory = Path(directory)
+    files = weight_files(directory)
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            keys.update(handle.keys())
+    # The prefix is the one most of the module's names are found under.
+    state = module.state_dict()
+    prefix = max(prefixes, key=lambda p: sum(f"{p}{k}" in keys for k in state))
+    params = {f"{prefix}{k}": v for k, v in state.items() if not k.startswith(ignore)}  # () ignores nothing
+    skip_prefixes = tuple(f"{prefix}{i}" for i in ignore)
+
+    def skip(key: str) -> bool:
+        return not key.startswith(prefix) or key.startswith(skip_prefixes)
+
+    load_by_name(params, directory, files, dtype, skip=skip, noun="decoder tensors")
