@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="embedded", choices=("embedded", "vllm"),
                       help="embedded: the built-in scheduler; vllm: vLLM's engine core and scheduler drive the engine "
                            "(mtp_fsm.vllm.TalkerLLM)")
+    demo.add_argument("--audio", action="store_true",
+                      help="decode each request's codes with the talker's codec decoder (beside the step loop) and "
+                           "write OUT/audio/<request>.wav, 16-bit PCM; logs first-audio latency and real-time factor")
     for name, what in (("bench", "benchmarks (mtp_fsm.bench)"), ("diagrams", "lifecycle diagrams (mtp_fsm.lifecycle.diagrams)")):
         # add_help=False: --help belongs to the plugin, which parses its own arguments.
         p = sub.add_parser(name, help=f"{what}; arguments are passed through", add_help=False)
@@ -197,6 +200,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.backend == "vllm":
         from .vllm.demo import run_vllm_demo
 
+        if args.audio:
+            raise UsageError("--audio runs on the embedded backend only")
         if args.speculate:
             raise UsageError("--speculate runs on the embedded backend only (vLLM's scheduler plans one token "
                              "per decode row)")
@@ -216,13 +221,17 @@ def _demo(args: argparse.Namespace) -> int:
                                 speculate=args.speculate)
     except ModelBindingError as exc:  # e.g. --speculate for a model without a drafter
         raise UsageError(str(exc)) from exc
-    chunk_sizes: list[int] = []  # a stand-in vocoder: the demo only counts what it would decode
-    chunker = ChunkingSink(
-        lambda chunk: chunk.has_audio and chunk_sizes.append(len(chunk.frames)),  # empty final chunks are no audio
-        num_codebooks=engine.spec.frame_width,
-    )
+    chunk_sizes: list[int] = []  # without --audio, a stand-in vocoder: the demo only counts what it would decode
+    count = lambda chunk: chunk.has_audio and chunk_sizes.append(len(chunk.frames))  # noqa: E731  (empty finals: no audio)
+    audio = wavs = None
+    if args.audio:
+        audio, wavs = _audio_stage(args, engine)
+        audio.add_observer(count)
+        chunker = audio.chunker
+    else:
+        chunker = ChunkingSink(count, num_codebooks=engine.spec.frame_width)
     jsonl = JsonlSink(os.path.join(args.out, "frames.jsonl"))
-    loop = ServingLoop(engine, sinks=(jsonl, chunker))
+    loop = ServingLoop(engine, sinks=(jsonl, chunker if audio is None else audio))
     print(f"mtp-fsm demo: {talker.name}, {args.requests} requests, {args.max_slots} slots, "
           f"budget {args.token_budget}, chunk {args.prefill_chunk}", file=sys.stderr)
     try:
@@ -235,11 +244,49 @@ def _demo(args: argparse.Namespace) -> int:
         progress.close()
     finally:
         jsonl.close()
+        if audio is not None:
+            audio.close()  # the decoder's queue drained: every WAV that ends is written
+            wavs.close()
     report_demo(loop.metrics, chunker, len(chunk_sizes), args.out,
                 f"{talker.name}: {args.requests} requests, {args.max_slots} slots")
+    if audio is not None and _report_audio(audio, wavs, loop.metrics, args.out):
+        return 1
     if engine.speculation is not None:
         print(speculation_line(engine.speculation, loop.metrics.total_frames, engine.step_count))
     return 0
+
+
+def _audio_stage(args: argparse.Namespace, engine):
+    """The talker's decoder (tiny, seeded like the talker) streaming into one WAV per request."""
+    import logging
+
+    from .serving.audio_stream import AudioStream
+    from .serving.codec import load_decoder
+    from .serving.wav import WavWriter
+
+    if not logging.getLogger().handlers:  # the audio report goes through logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    decoder = load_decoder(args.model, seed=args.seed)
+    wavs = WavWriter(os.path.join(args.out, "audio"), decoder.sample_rate)
+    return AudioStream(decoder, wavs.on_audio, frame_width=engine.spec.frame_width), wavs
+
+
+def _report_audio(audio, wavs, metrics, out: str) -> bool:
+    """Log the audio summary; True when a request's audio failed."""
+    import logging
+
+    from .serving.audio_metrics import summarize
+
+    log = logging.getLogger("mtp_fsm.demo")
+    summary = summarize(audio, metrics)
+    for line in summary.lines():
+        log.info("%s", line)
+    log.info("wrote %d WAV files to %s (%d Hz, %d samples a frame)", len(wavs.paths), os.path.join(out, "audio"),
+             audio.timing.sample_rate, audio.timing.samples_per_frame)
+    for rid, stats in audio.stats.items():
+        if stats.error:
+            log.error("%s", stats.error)
+    return summary.errors > 0
 
 
 def speculation_line(stats, frames: int, steps: int) -> str:

@@ -19,14 +19,15 @@ ENCODER_PREFIXES = ("acoustic_encoder.", "encoder_semantic.", "decoder_semantic.
 
 
 def tiny_tokenizer_config(num_quantizers: int = 8, codebook_size: int = 1024) -> HiggsAudioV2TokenizerConfig:
-    """A tiny tokenizer for the tiny talker's 8 x 1024 codes: 12 samples a frame at 24 kHz (the
-    bandwidth is what gives 8 quantizers at that frame rate)."""
-    rate = 24_000 // 12
+    """A tiny tokenizer for the tiny talker's 8 x 1024 codes at the released frame geometry: 960
+    samples a frame at 24 kHz (25 Hz; the bandwidth is what gives 8 quantizers at that rate)."""
+    ratios = [8, 5, 4, 2, 3]
+    rate = 24_000 / math.prod(ratios)
     return HiggsAudioV2TokenizerConfig(
         sample_rate=24_000, codebook_size=codebook_size, codebook_dim=8,
         target_bandwidths=(rate * math.ceil(math.log2(codebook_size)) * num_quantizers / 1000,),
-        acoustic_model_config=dict(encoder_hidden_size=4, downsampling_ratios=[4, 3], decoder_hidden_size=16,
-                                   upsampling_ratios=[4, 3], hidden_size=8),
+        acoustic_model_config=dict(encoder_hidden_size=4, downsampling_ratios=ratios, decoder_hidden_size=32,
+                                   upsampling_ratios=ratios, hidden_size=8),
         semantic_model_config=dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16),
     )
 

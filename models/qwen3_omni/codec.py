@@ -16,11 +16,12 @@ _CONV_LOOKBACK = 6  # every causal conv of the decoder has kernel 7 (dilated in 
 
 
 def tiny_code2wav_config(num_quantizers: int = 16, codebook_size: int = 2048) -> Qwen3OmniMoeCode2WavConfig:
-    """A few thousand weights besides the code table; the tiny talker's 16 x 2048 codes; 8 samples a frame."""
+    """A few thousand weights besides the code table, the tiny talker's 16 x 2048 codes, and the
+    released frame geometry (1920 samples a frame at 24 kHz, so its 555-sample tail)."""
     return Qwen3OmniMoeCode2WavConfig(
         codebook_size=codebook_size, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
         sliding_window=4, intermediate_size=64, num_hidden_layers=1, num_quantizers=num_quantizers,
-        upsample_rates=(2, 2), upsampling_ratios=(2,), decoder_dim=16,
+        upsample_rates=(8, 5, 4, 3), upsampling_ratios=(2, 2), decoder_dim=32,
     )
 
 

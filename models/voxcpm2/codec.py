@@ -42,9 +42,11 @@ def upstream_audio_vae() -> types.ModuleType:
 
 
 def tiny_vae_config(latent_dim: int = 8) -> dict:
-    """A tiny AudioVAE: the tiny talker's 8-dim latents, 4 samples a latent step (16 a 4-step patch)."""
-    return dict(encoder_dim=4, encoder_rates=[2, 2], latent_dim=latent_dim, decoder_dim=16, decoder_rates=[2, 2],
-                depthwise=True, sample_rate=16_000, out_sample_rate=16_000, sr_bin_boundaries=None)
+    """A tiny AudioVAE for the tiny talker's 8-dim latents at the released decoder geometry:
+    1920 samples a latent step at 48 kHz (7680 a 4-step patch)."""
+    return dict(encoder_dim=4, encoder_rates=[2, 2], latent_dim=latent_dim, decoder_dim=64,
+                decoder_rates=[8, 6, 5, 2, 2, 2], depthwise=True, sample_rate=16_000, out_sample_rate=48_000,
+                sr_bin_boundaries=None)
 
 
 def released_vae_config() -> dict:

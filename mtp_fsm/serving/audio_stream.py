@@ -52,6 +52,7 @@ class AudioStats:
     """One request's audio: when its first samples were ready (clock reading), how many samples."""
 
     first_audio_time: float | None = None
+    last_audio_time: float | None = None
     num_samples: int = 0
     finished: bool = False
     error: str | None = None
@@ -130,6 +131,10 @@ class AudioStream:
             self._put(("drop", rid))
             return
         self.chunker.on_finished(step, finished)  # emits the final chunk through _submit
+
+    def add_observer(self, observer: Callable[[AudioChunk], None]) -> None:
+        """See each frame chunk as it is queued for decoding (ServingLoop times chunks with it)."""
+        self.chunker.add_observer(observer)
 
     # -- control -------------------------------------------------------------------------
 
@@ -265,8 +270,10 @@ class AudioStream:
                 emitter.index += 1
                 emitter.emitted += len(samples)
                 stats = self._stats_for(rid)
-                if len(samples) and stats.first_audio_time is None:
-                    stats.first_audio_time = self.clock()
+                if len(samples):
+                    stats.last_audio_time = self.clock()
+                    if stats.first_audio_time is None:
+                        stats.first_audio_time = stats.last_audio_time
                 stats.num_samples += len(samples)
                 self.on_audio(out)
         if chunk.is_final:
