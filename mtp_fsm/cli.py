@@ -264,8 +264,13 @@ def _audio_stage(args: argparse.Namespace, engine):
     from .serving.codec import load_decoder
     from .serving.wav import WavWriter
 
-    if not logging.getLogger().handlers:  # the audio report goes through logging
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    ours = logging.getLogger("mtp_fsm")  # the audio report goes through logging (ours only, not transitions')
+    if not ours.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        ours.addHandler(handler)
+    if ours.getEffectiveLevel() > logging.INFO:
+        ours.setLevel(logging.INFO)
     decoder = load_decoder(args.model, seed=args.seed)
     wavs = WavWriter(os.path.join(args.out, "audio"), decoder.sample_rate)
     return AudioStream(decoder, wavs.on_audio, frame_width=engine.spec.frame_width), wavs

@@ -222,10 +222,8 @@ class AudioStream:
                 groups.setdefault((len(chunk.context_frames) + len(chunk.frames), chunk.is_final), []).append(i)
         rows: list[torch.Tensor | None] = [None] * len(chunks)
         for (_, final), members in groups.items():
-            # A final window is decoded alone: where a stream ends is each request's own.
-            size = 1 if final else self.timing.max_batch
-            for start in range(0, len(members), size):
-                part = members[start:start + size]
+            for start in range(0, len(members), self.timing.max_batch):
+                part = members[start:start + self.timing.max_batch]
                 windows = torch.stack([torch.cat((chunks[i].context_frames, chunks[i].frames)) for i in part])
                 began = time.perf_counter()
                 try:
