@@ -32,3 +32,6 @@ def text_inputs(text: str) -> TTSInputs:
 
 
 __all__ += ["tiny_demo_talker", "text_inputs"]
+
+# The codec decoder (codes -> PCM) this talker declares, resolved by name (mtp_fsm.serving.codec.load_decoder).
+CODEC_DECODER = "models.qwen3_tts.codec:tiny_demo_decoder"

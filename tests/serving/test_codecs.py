@@ -38,7 +38,7 @@ def voxcpm_frames(n, seed, payload=PayloadSpec((4, 8), torch.float32)):
     return torch.cat((torch.zeros(n, 1, dtype=torch.int64), payload.encode(patches)), dim=1)
 
 
-MAKERS = {"qwen3_omni": omni_frames, "higgs_audio_v3": higgs_frames, "voxcpm2": voxcpm_frames}
+MAKERS = {"qwen3_tts": omni_frames, "qwen3_omni": omni_frames, "higgs_audio_v3": higgs_frames, "voxcpm2": voxcpm_frames}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,18 @@ def test_qwen3_omni_window_arithmetic(decoders):
     assert len(front_sliced) == new * 1920 - 555
 
 
+def test_qwen3_tts_window_arithmetic(decoders):
+    from models.qwen3_tts.codec import released_decoder_config
+    from models.qwen3_tts.tokenizer_decoder import receptive_frames
+
+    dec = decoder_of(decoders, "qwen3_tts")
+    frames = omni_frames(12, 1).unsqueeze(0)
+    # Causal, no trimmed tail: every sample of a window is exact, none waits for the next frame.
+    assert dec.samples_per_frame == 1920 and dec.lookahead_frames == 0
+    assert dec.decode(frames, False).shape == dec.decode(frames, True).shape == (1, 12 * 1920)
+    assert receptive_frames(released_decoder_config()) >= 2 + 8 * 71
+
+
 def test_higgs_window_arithmetic(decoders):
     dec = decoder_of(decoders, "higgs_audio_v3")
     rows = higgs_frames(20, 2)  # 28 published rows
@@ -155,6 +167,13 @@ def test_checkpoints_load_by_name(decoders, tmp_path):
     frames = omni_frames(9, 4).unsqueeze(0)
     assert torch.equal(loaded.decode(frames, True), dec.decode(frames, True))
 
+    from models.qwen3_tts import codec as tts
+
+    dec = decoder_of(decoders, "qwen3_tts")
+    _save(tmp_path / "tts", {"decoder_config": dec.config.to_hf_dict()}, dec.module, prefix="decoder.")
+    loaded = tts.load_decoder(tmp_path / "tts")
+    assert torch.equal(loaded.decode(frames, True), dec.decode(frames, True))
+
     dec = decoder_of(decoders, "higgs_audio_v3")
     _save(tmp_path / "higgs", dec.config.to_dict(), dec.module)
     loaded = higgs.load_decoder(tmp_path / "higgs")
@@ -190,10 +209,15 @@ def test_released_sizes_are_constructible_on_meta():
     from models.higgs_audio_v3.codec import HiggsDecodePath, released_tokenizer_config
     from models.qwen3_omni.codec import receptive_frames, released_code2wav_config
 
+    from models.qwen3_tts.codec import released_decoder_config
+    from models.qwen3_tts.tokenizer_decoder import TokenizerDecoder
+
     with torch.device("meta"):
         omni = Qwen3OmniMoeCode2Wav(released_code2wav_config())
         higgs = HiggsDecodePath(released_tokenizer_config())
+        tts = TokenizerDecoder(released_decoder_config())
     assert sum(p.numel() for p in omni.parameters()) > 100e6
+    assert sum(p.numel() for p in tts.parameters()) > 100e6
     assert sum(p.numel() for p in higgs.parameters()) > 10e6
     assert receptive_frames(released_code2wav_config()) >= 8 * 71  # eight sliding-window layers of 72
 

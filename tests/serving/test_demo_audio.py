@@ -24,7 +24,7 @@ def audio_frames(model: str, rows: list[list[int]]) -> int:
     return ends[0] if ends else max(0, len(rows) - (q - 1))
 
 
-@pytest.mark.parametrize("model", ["qwen3_omni", "higgs_audio_v3", "voxcpm2"])
+@pytest.mark.parametrize("model", ["qwen3_tts", "qwen3_omni", "higgs_audio_v3", "voxcpm2"])
 def test_demo_writes_one_wav_per_request(model, tmp_path, caplog):
     try:
         decoder = load_decoder(model)
