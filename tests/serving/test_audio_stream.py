@@ -165,3 +165,21 @@ def test_worker_runs_beside_the_caller():
     assert done.wait(5.0)
     dec.gate.set()
     stream.close()
+
+
+def test_worker_nice_lowers_only_the_decoder_thread():
+    import os
+
+    seen = []
+
+    class Probe(RuleDecoder):
+        def decode(self, frames, final):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return super().decode(frames, final)
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    stream = AudioStream(Probe(), lambda c: None, frame_width=F, first_chunk=1, chunk=1, worker_nice=3)
+    stream.on_frames(0, FrameBatch(("a",), torch.tensor([0]), codes(1, 0)))
+    stream.close()
+    assert seen and all(n == min(19, before + 3) for n in seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the caller's thread kept its own
