@@ -211,7 +211,11 @@ class AudioStream:
         pcm = self._decode_all(chunks)
         for chunk in chunks:
             if chunk.request_id in pcm:
-                self._hand_out(chunk, pcm[chunk.request_id].pop(0))
+                try:
+                    self._hand_out(chunk, pcm[chunk.request_id].pop(0))
+                except Exception as exc:  # the consumer (on_audio) failed: this request ends, others go on
+                    self._fail(chunk.request_id, f"handing out the audio of {_span(chunk)} failed: "
+                               f"{type(exc).__name__}: {exc}")
         for kind, payload in items:
             if kind == "drop":
                 with self._lock:
@@ -304,6 +308,10 @@ class AudioStream:
                     break
                 self.stats.popitem(last=False)
         return stats
+
+
+def _span(chunk: AudioChunk) -> str:
+    return f"frames [{chunk.start_frame}, {chunk.end_frame})"
 
 
 def _lower_priority(nice: int) -> None:

@@ -25,10 +25,12 @@ class RuleDecoder:
         self.left_context_frames = receptive + lookahead + math.ceil(tail / spf)
         self.delay_s, self.fail_on = delay_s, fail_on
         self.calls: list[tuple[int, int, bool]] = []  # (batch, window, final)
-        self.gate = threading.Event()
+        self.gate = threading.Event()  # cleared: decode blocks (a worker busy for as long as a test wants)
         self.gate.set()
+        self.entered = threading.Event()  # set once a decode call began
 
     def decode(self, frames: torch.Tensor, final: bool) -> torch.Tensor:
+        self.entered.set()
         self.gate.wait()
         if self.delay_s:
             threading.Event().wait(self.delay_s)

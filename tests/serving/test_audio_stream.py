@@ -73,13 +73,21 @@ def test_too_little_context_shows_as_wrong_samples():
 
 def test_requests_are_batched_by_window_length_and_never_mixed():
     dec = RuleDecoder(spf=3, receptive=2, max_batch=4)
+    dec.gate.clear()  # the worker blocks in its first call while every other window queues behind it
     reqs = {f"r{i}": codes(17, 10 + i) for i in range(6)}
-    out, stream = stream_codes(dec, reqs, first_chunk=2, chunk=5, threaded=True)
+    out: dict[str, list] = {}
+    stream = AudioStream(dec, lambda c: out.setdefault(c.request_id, []).append(c), frame_width=F,
+                         first_chunk=2, chunk=5)
+    for i in range(17):
+        stream.on_frames(i, FrameBatch(tuple(reqs), torch.full((6,), i), torch.stack([f[i] for f in reqs.values()])))
+    for rid in reqs:
+        stream.on_finished(17, FinishedRequest(rid, FinishReason.EOS, 17))
+    dec.gate.set()
+    stream.close()
     for rid, frames in reqs.items():
         assert torch.equal(joined(out[rid]), whole(dec, frames)), rid
-    assert max(b for b, _, _ in dec.calls) > 1  # equal windows of different requests shared a call
-    assert all(b <= 4 for b, _, _ in dec.calls)
-    assert stream.windows > stream.decode_calls
+    assert max(b for b, _, _ in dec.calls) == 4  # equal windows of different requests shared a call, up to max_batch
+    assert stream.windows == 6 * 5 and stream.decode_calls < stream.windows
 
 
 def test_swapped_requests_would_be_caught():
@@ -96,15 +104,16 @@ def test_abort_drops_queued_audio_and_nothing_follows(reason):
     got = []
     stream = AudioStream(dec, got.append, frame_width=F, first_chunk=1, chunk=1)
     frames = codes(6, 30)
-    for i in range(6):
+    stream.on_frames(0, FrameBatch(("gone",), torch.tensor([0]), frames[0:1]))
+    assert dec.entered.wait(5.0)  # the worker holds frame 0's window; the rest queue behind it
+    for i in range(1, 6):
         stream.on_frames(i, FrameBatch(("gone",), torch.tensor([i]), frames[i:i + 1]))
     stream.on_finished(6, FinishedRequest("gone", reason, 6))
-    n_at_abort = len(got)
     dec.gate.set()
     stream.close()
-    assert len(got) == n_at_abort == 0
+    assert got == []  # not even the window in decode when the abort came
+    assert dec.calls == [(1, 1, False)]  # the queued windows were never decoded
     assert stream.retained()["emitters"] == 0 and stream.retained()["streams"] == 0
-    assert len(dec.calls) <= 1  # at most the window already in decode when the abort came
 
 
 def test_abort_mid_stream_keeps_what_was_out_and_others_complete():
@@ -183,3 +192,21 @@ def test_worker_nice_lowers_only_the_decoder_thread():
     stream.close()
     assert seen and all(n == min(19, before + 3) for n in seen)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the caller's thread kept its own
+
+
+def test_a_failing_consumer_ends_only_its_request():
+    got = []
+
+    def on_audio(chunk):
+        if chunk.request_id == "picky" and chunk.index == 1:
+            raise OSError("disk full")
+        got.append(chunk)
+
+    stream = AudioStream(RuleDecoder(spf=2), on_audio, frame_width=F, first_chunk=1, chunk=2, threaded=False)
+    for i in range(6):
+        stream.on_frames(i, FrameBatch(("picky", "fine"), torch.tensor([i, i]), torch.cat((codes(1, i), codes(1, 9 + i)))))
+    for rid in ("picky", "fine"):
+        stream.on_finished(6, FinishedRequest(rid, FinishReason.EOS, 6))
+    assert "request 'picky'" in stream.stats["picky"].error and "disk full" in stream.stats["picky"].error
+    assert [c.index for c in got if c.request_id == "picky"] == [0]
+    assert got[-1].request_id == "fine" and got[-1].is_final and stream.stats["fine"].error is None
