@@ -100,7 +100,7 @@ def test_torch_executor_equals_transitions_on_every_state_and_fact(variant):
         cases = list(itertools.product(spec.states, _phase_facts(phase)))
         state = torch.tensor([int(s) for s, _ in cases], dtype=torch.int32)
         facts = {p: torch.tensor([f[p] for _, f in cases]) for p in predicates_of(phase)}
-        result = run_phase(lc, phase, state, torch.ones(len(cases), dtype=torch.bool), lambda _: facts)
+        result = run_phase(lc, phase, state, torch.ones(len(cases), dtype=torch.bool), facts)
         oracle = Oracle(spec)
         for i, (source, fact) in enumerate(cases):
             fsm = RequestFSM("r", source)
@@ -124,7 +124,7 @@ def test_rows_that_are_not_owned_never_move():
     lc = compile_lifecycle(mtp_lifecycle()).to("cpu")
     state = torch.tensor([int(State.DECODING)], dtype=torch.int32)
     facts = {p: torch.tensor([False]) for p in predicates_of(Phase.SAMPLE)}
-    result = run_phase(lc, Phase.SAMPLE, state, torch.tensor([False]), lambda _: facts)
+    result = run_phase(lc, Phase.SAMPLE, state, torch.tensor([False]), facts)
     assert int(result.state[0]) == State.DECODING and not result.stuck[0]
 
 

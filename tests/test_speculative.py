@@ -213,13 +213,13 @@ def _edge_recorder(spec, fired: set):
     rules = compile_lifecycle(spec).rules
     real = reference.run_phase
 
-    def walk(lc, phase, state, owned, facts_for):
+    def walk(lc, phase, state, owned, facts, after_publish=None, *, last=False):
         published = torch.zeros_like(owned)
         now = state.clone()
         for stage in spec.stages_of(phase):
-            facts = facts_for if isinstance(facts_for, dict) else facts_for(published)
-            word = int(0)
-            words = reference.predicate_word(facts)
+            seen = {p: torch.where(published, after_publish[p], m) if after_publish and p in after_publish else m
+                    for p, m in facts.items()}
+            words = sum(m.long() << int(p) for p, m in seen.items())
             for row in owned.nonzero().flatten().tolist():
                 word, source = int(words[row]), State(int(now[row]))
                 for trigger in stage.triggers:
@@ -230,7 +230,7 @@ def _edge_recorder(spec, fired: set):
                         now[row] = dest
                         published[row] |= bool(rules[RULE_PUBLISHES, trigger, source])
                         break
-        result = real(lc, phase, state, owned, facts_for)
+        result = real(lc, phase, state, owned, facts, after_publish, last=last)
         assert torch.equal(result.state.long(), now.long()), f"{phase.label}: the chains' walk and run_phase disagree"
         return result
 

@@ -62,7 +62,7 @@ class BucketStep:
             num_scheduled=torch.zeros(bucket, dtype=torch.int64, device=device),
             query_start_loc=torch.arange(bucket + 1, dtype=torch.int64, device=device),
             token_rows=arange.clone(), token_offsets=torch.zeros(bucket, dtype=torch.int64, device=device),
-            last_token=arange.clone(), **{**facts, "has_prefill": False, "decode_width": 1},
+            last_token=arange.clone(), **{**facts, "has_prefill": False, "decode_width": 1, "tokens_are_rows": True},
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the captured step's packed output (static)

@@ -324,7 +324,7 @@ class LockstepEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.step_count += 1
-        output = self._build_output(host, packed.numpy(), packed)
+        output = self._build_output(host, packed.numpy())
         if self._debug is not None:  # before the feed's host triggers, which are not device stages
             self._debug.finished(host)
         if self.feeds.enabled:  # decoding requests whose next conditioning row is missing rest in starved
@@ -389,7 +389,7 @@ class LockstepEngine:
         words = self.table.fault[torch.tensor(slots, dtype=torch.int64, device=self.device)].tolist()
         return [describe_fault(w) for w in words]
 
-    def _build_output(self, host: HostStep, packed_np: np.ndarray, packed: torch.Tensor) -> StepOutput:
+    def _build_output(self, host: HostStep, packed_np: np.ndarray) -> StepOutput:
         per_row = self._pipeline.positions
         if packed_np[-1, OUT_ERROR] or packed_np[:-1:per_row, OUT_ERROR][~host.padding_np].any():
             bad = np.flatnonzero(self.table.error[: self.table.max_slots].cpu().numpy())
@@ -400,23 +400,23 @@ class LockstepEngine:
             )
         # A speculative step packs k + 1 rows per step row (its verify positions, row-major);
         # the first carries the row's state after the step, every one the frame it published.
-        frames_np, frame_rows = packed_np[:-1], packed[:-1]
-        rows_np, rows = frames_np[::per_row], frame_rows[::per_row]
+        frames_np = packed_np[:-1]
+        rows_np = frames_np[::per_row]
         _, ended = self.ledger.observe(host, rows_np, self._explain_errors)
         is_frame = frames_np[:, OUT_VALID] == 1
         valid = np.flatnonzero(is_frame)
         if self.speculation is not None and host.verify_np is not None:
             self.speculation.record(host.verify_np, is_frame.reshape(-1, per_row))
-        # `packed` is this step's own copy: views of it are owned by the output, and the
-        # advanced indexing below copies again, so FrameBatch and RowOutput never alias.
-        codes = frame_rows[:, OUT_CODES:]
+        # Selected in numpy (a torch index op costs more than the rows it moves): `packed` is
+        # this step's own copy, the row view shares it, and fancy indexing copies again, so
+        # FrameBatch and RowOutput never alias each other or an engine buffer.
         row_ids = host.row_ids_np if host.row_ids_np is not None else np.array(host.row_ids, dtype=object)
         ids = row_ids[valid // per_row] if len(valid) else ()
-        published = codes[valid]
+        published = torch.from_numpy(frames_np[valid, OUT_CODES:])
         payload = self.spec.payload
         frames = FrameBatch(
             request_ids=tuple(ids),
-            frame_index=frame_rows[valid, OUT_FRAME_INDEX],
+            frame_index=torch.from_numpy(frames_np[valid, OUT_FRAME_INDEX]),
             codes=published,
             payload=None if payload is None else payload.decode(published[:, self.spec.num_codebooks:]),
         )
@@ -424,6 +424,6 @@ class LockstepEngine:
             request_ids=host.row_ids,
             query_start_loc=host.query_start_loc.clone(),
             valid=torch.from_numpy(rows_np[:, OUT_VALID] == 1),
-            codes=rows[:, OUT_CODES:],
+            codes=torch.from_numpy(rows_np[:, OUT_CODES:]),
         )
         return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens, host.preempted)

@@ -42,8 +42,9 @@ class FrameFormat:
         """The MTP hook and the MTP-phase stages: the frame's rows [B, frame_width]."""
         if self._mtp is None:
             return cb0[:, None]
-        sample, mtp_faults = self.kernels.mtp_sampler(self.table, batch)
+        sample, fault_words = self.kernels.mtp_sampler(self.table, batch)
         codes = self._mtp(hidden, cb0.clamp(0, self.spec.codebook_size - 1), self.sampler(sample))
+        mtp_faults = fault_words()
         stop = None
         if isinstance(codes, MtpResult):
             if not self.reads_mtp_stop:
@@ -88,7 +89,7 @@ class PayloadFormat(FrameFormat):
     payload's bits. A non-finite payload faults the row like a bad MTP sample."""
 
     def frame(self, batch, hidden: torch.Tensor, cb0: torch.Tensor) -> torch.Tensor:
-        sample, mtp_faults = self.kernels.mtp_sampler(self.table, batch)
+        sample, fault_words = self.kernels.mtp_sampler(self.table, batch)
         table, slot, payload, first = self.table, batch.idx_mapping, self.spec.payload, self.spec.num_codebooks
         keys = frame_key(table.seed[slot], table.num_frames[slot])
         previous = payload.decode(table.frame_codes[slot, first:])
@@ -96,7 +97,8 @@ class PayloadFormat(FrameFormat):
         out = self._mtp(hidden, cb0.clamp(0, self.spec.codebook_size - 1), draws)
         bad = ~torch.isfinite(out.reshape(out.shape[0], -1)).all(dim=1)
         word = fault_word(FAULT_PAYLOAD, first)
-        mtp_faults.copy_(torch.where(bad & (mtp_faults == 0), word, mtp_faults))
+        mtp_faults = fault_words()
+        mtp_faults = torch.where(bad & (mtp_faults == 0), word, mtp_faults)
         self.kernels.mtp_scatter(self.table, self._lc, batch, mtp_faults, None)
         return torch.cat([cb0[:, None].to(torch.int64), payload.encode(out)], dim=1)
 

@@ -235,15 +235,16 @@ class Ledger(PlanChecks):
         real = ~host.padding_np
         if not real.any():
             return np.zeros(0, dtype=np.int64), ended
-        slots = host.slots_np[real]
-        was_terminal = self._is_terminal[self.rows.state[slots]]
+        whole = bool(real.all())  # the common step: no padding rows to leave out
+        slots, out = (host.slots_np, packed) if whole else (host.slots_np[real], packed[real])
         rows = self.rows
-        rows.state[slots] = packed[real, OUT_STATE]
-        rows.num_frames[slots] = packed[real, OUT_NUM_FRAMES]
-        rows.reason[slots] = packed[real, OUT_REASON]
-        rows.num_computed[slots] = packed[real, OUT_NUM_COMPUTED]
+        was_terminal = self._is_terminal[rows.state[slots]]
+        rows.state[slots] = out[:, OUT_STATE]
+        rows.num_frames[slots] = out[:, OUT_NUM_FRAMES]
+        rows.reason[slots] = out[:, OUT_REASON]
+        rows.num_computed[slots] = out[:, OUT_NUM_COMPUTED]
         now_terminal = self._is_terminal[packed[:, OUT_STATE]] & real
-        newly = np.flatnonzero(now_terminal & ~_scatter(real, was_terminal))
+        newly = np.flatnonzero(now_terminal & ~(was_terminal if whole else _scatter(real, was_terminal)))
         errors = [int(host.slots_np[row]) for row in newly if packed[row, OUT_REASON] == int(FinishReason.ERROR)]
         details = iter(explain(errors) if errors and explain is not None else ())
         for row in newly:

@@ -196,5 +196,6 @@ def build_batch(
         cb0_min_frames=min_frames,
         decode_width=decode_width,
         has_prefill=any(r is not None and r.in_prefill for r in records),
+        tokens_are_rows=all(n == 1 for n in counts),
     )
     return batch, np.array(idx, dtype=np.int64), qsl

@@ -171,13 +171,13 @@ class Labeled:
             with torch.profiler.record_function(f"stage:{name}"):
                 out = fn(*args, **kwargs)
             if name == "mtp_sampler":
-                sample, bad = out
+                sample, fault_words = out
 
                 def labeled_sample(*a, **k):
                     with torch.profiler.record_function("stage:mtp_sample"):
                         return sample(*a, **k)
 
-                return labeled_sample, bad
+                return labeled_sample, fault_words
             return out
 
         return call

@@ -77,6 +77,9 @@ class StepBatch:
     # Host-known: some row may still be in its prompt (False lets compose skip the prompt
     # gather of an all-decode batch; True is always correct).
     has_prefill: bool = True
+    # Host-known: token i is row i's only token (token_rows is arange(B), token_offsets 0);
+    # True lets compose skip its per-token gathers, False is always correct.
+    tokens_are_rows: bool = False
 
     @property
     def num_rows(self) -> int:

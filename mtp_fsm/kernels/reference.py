@@ -1,9 +1,9 @@
 """Torch reference kernels: the CPU path and the contract the Triton kernels are tested against.
 
-Every lifecycle move is made by `run_phase`, which evaluates the compiled stage chains: each
-stage's predicates as one word per row, then the stage's chain outcome (destination, fired,
-reason, publishes; folded by the compiler for every state and word) gathered at (state,
-word). The Triton kernels walk the same chains trigger by trigger instead, so the two are
+Every lifecycle move is made by `run_phase`, which evaluates a whole phase's compiled stage
+chains with one gather: the phase's outcome (destination, reason, published, stuck; folded by
+the compiler for every state, ownership and predicate word, `lifecycle.phase_fold`) at each
+row's index. The Triton kernels walk the same chains trigger by trigger instead, so the two are
 independent implementations of one semantics (tested bit-exact). No stage body names a
 trigger or a state; the data movement of a stage keys on what the rules say
 (state classes, the `publishes` effect), guard masks are applied over every row (no
@@ -12,77 +12,21 @@ per-request Python loop) and no device value is read on the host.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
 
 import torch
 
-from ..lifecycle import CLASS_IN_STEP, CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
-from ..lifecycle.compiled import OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT, RULE_DEST, WORDS
+from ..lifecycle import CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
+from ..lifecycle.compiled import RULE_DEST
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..sampling.penalties import apply_repetition_penalty, suppress_eos
 from ..sampling.params import sampler_facts
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
+from .row_ops import PhaseResult, at, const, flag, in_class, owned_rows, put, record, record_fault, run_phase  # noqa: F401
 
 # Draw a frame's MTP noise in one pass (fewer, larger ops) up to this many elements.
 BATCHED_NOISE_ELEMENTS = 1 << 17  # measured: larger blocks fall out of cache and lose
-
-
-class PhaseResult(NamedTuple):
-    state: torch.Tensor  # new state per row
-    reason: torch.Tensor  # int32 finish reason recorded by a fired edge (0 = none)
-    published: torch.Tensor  # bool: a fired edge emits a frame
-    stuck: torch.Tensor  # bool: a total stage moved nothing, or the row rests in an in-step state
-
-
-def predicate_word(facts: dict[Predicate, torch.Tensor]) -> torch.Tensor:
-    """Pack one phase's predicate masks into an int32 word per row (bit = Predicate value)."""
-    word = None
-    for p, mask in facts.items():
-        bits = mask.to(torch.int32) << int(p)
-        word = bits if word is None else word | bits
-    return word
-
-
-def in_class(lc: DeviceLifecycle, state: torch.Tensor, class_bit: int) -> torch.Tensor:
-    return (lc.state_class[state.long()] & class_bit) != 0
-
-
-def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: torch.Tensor, facts_for) -> PhaseResult:
-    """Every stage of `phase` over every row. facts_for(published_so_far) returns the stage's
-    predicate masks (a stage after a publishing one sees the frame counted); a dict is facts
-    that no stage changes (one word for the whole phase). Each stage is one gather of its
-    chain's outcome at (state, predicate word)."""
-    reason = torch.zeros_like(state, dtype=torch.int32)
-    published = torch.zeros_like(owned)
-    stuck = torch.zeros_like(owned)
-    fixed = predicate_word(facts_for) if isinstance(facts_for, dict) else None
-    for (total, _), outcomes in zip(lc.host_chains[phase], lc.outcomes[phase]):
-        word = fixed if fixed is not None else predicate_word(facts_for(published))
-        outcome = outcomes[state.long() * WORDS + word]
-        fired = owned & ((outcome & OUTCOME_FIRED) != 0)
-        why = outcome >> OUTCOME_REASON_SHIFT
-        reason = torch.where(fired & (why != 0), why, reason)
-        published = published | (fired & ((outcome & OUTCOME_PUBLISHES) != 0))
-        if total:
-            stuck = stuck | (owned & ~fired)
-        state = torch.where(fired, (outcome & 0xFF).to(state.dtype), state)
-    return PhaseResult(state, reason, published, stuck)
-
-
-def _owned(table: SlotTable, batch: StepBatch) -> torch.Tensor:
-    """Rows whose slot still belongs to the request the host scheduled (identity guard)."""
-    return ~batch.is_padding & (table.serial[batch.idx_mapping] == batch.expected_serial)
-
-
-def _flag(table: SlotTable, slots: torch.Tensor, mask: torch.Tensor, bit: int) -> None:
-    table.error[slots] = table.error[slots] | torch.where(mask, bit, 0).to(torch.int32)
-
-
-def _record(table: SlotTable, slot: torch.Tensor, result: PhaseResult) -> None:
-    table.state[slot] = result.state
-    table.finish_reason[slot] = torch.where(result.reason != 0, result.reason, table.finish_reason[slot])
-    _flag(table, slot, result.stuck, ERR_ILLEGAL)
 
 
 def apply_host_events(table: SlotTable, lc: DeviceLifecycle, events: StagedEvents) -> None:
@@ -96,7 +40,7 @@ def apply_host_events(table: SlotTable, lc: DeviceLifecycle, events: StagedEvent
         dest = dest_table[trig.clamp(min=0), state.long()]
         illegal = has & (dest < 0)
         state = torch.where(has & ~illegal, dest, state)
-        _flag(table, slots, illegal, ERR_ILLEGAL)
+        flag(table, slots, illegal, ERR_ILLEGAL)
     table.state[slots] = state
     table.finish_reason[slots] = torch.where(events.reasons != 0, events.reasons, table.finish_reason[slots])
     table.serial[slots] = torch.where(in_class(lc, state, CLASS_VACANT), 0, table.serial[slots])
@@ -144,42 +88,45 @@ def decode_text(table: SlotTable, batch: StepBatch, text_step: TextStep) -> torc
     """The model's text-step input of each row's decode token (the model's own code, so it
     stays outside the fused stage functions)."""
     slot = batch.idx_mapping
-    return text_step(table.extra, slot, (table.num_frames[slot] - 1).clamp(min=0))
+    return text_step(table.extra, slot, (at(table.num_frames, slot) - 1).clamp(min=0))
 
 
 def compose_rows(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text: torch.Tensor):
     """compose_inputs given each row's text-step input [B, H]: a pure tensor function."""
-    slot = batch.idx_mapping
-    owned = _owned(table, batch)
-    live = owned & in_class(lc, table.state[slot], CLASS_LIVE)
-    computed = table.num_computed[slot]
-    prefill = computed < table.prompt_len[slot]
+    slot, device = batch.idx_mapping, batch.idx_mapping.device
+    scheduled = ~batch.is_padding
+    matches = at(table.serial, slot) == batch.expected_serial
+    owned = scheduled & matches
+    live = owned & in_class(lc, at(table.state, slot), CLASS_LIVE)
+    computed, prompt_len = at(table.num_computed, slot), at(table.prompt_len, slot)
+    prefill = computed < prompt_len
     # Phase comes from num_computed < prompt_len, never from the span length.
-    bad_span = live & torch.where(prefill, computed + batch.num_scheduled > table.prompt_len[slot],
-                                  batch.num_scheduled != batch.decode_width)
-    _flag(table, slot, bad_span, ERR_SPAN)
-    _flag(table, slot, ~batch.is_padding & ~owned, ERR_IDENTITY)
-    decode_input = table.frame_embed[slot] + text.to(table.frame_embed.dtype)
-    rows = batch.token_rows
-    positions = computed[rows] + batch.token_offsets
-    if batch.has_prefill:
-        prompt_input = table.prompt_embeds[slot[rows], positions.clamp(max=table.max_context - 1)]
-        inputs = torch.where(prefill[rows, None], prompt_input, decode_input[rows])
-    else:  # every row decodes (host-known): no prompt row to gather
-        inputs = decode_input[rows]
+    bad_span = live & torch.where(prefill, computed + batch.num_scheduled > prompt_len,
+                                  batch.num_scheduled != const(batch.decode_width, torch.int64, device))
+    zero = const(0, torch.int32, device)
+    bits = (torch.where(bad_span, const(ERR_SPAN, torch.int32, device), zero)
+            | torch.where(scheduled & ~matches, const(ERR_IDENTITY, torch.int32, device), zero))
+    put(table.error, slot, at(table.error, slot) | bits)
+    decode_input = at(table.frame_embed, slot) + text.to(table.frame_embed.dtype)
     usable = live & ~bad_span
+    context = const(table.max_context, torch.int64, device)
+    if batch.tokens_are_rows:  # token i is row i's only token (host-known): no per-token gather
+        positions, token_rows = computed, None
+        usable_tokens, token_slot = usable, slot
+    else:
+        token_rows = batch.token_rows
+        positions = computed[token_rows] + batch.token_offsets
+        usable_tokens, token_slot = usable[token_rows], slot[token_rows]
+    if batch.has_prefill:
+        prompt_input = table.prompt_embeds[token_slot, positions.clamp(max=table.max_context - 1)]
+        in_prompt = prefill if token_rows is None else prefill[token_rows]
+        decode_tokens = decode_input if token_rows is None else decode_input[token_rows]
+        inputs = torch.where(in_prompt[:, None], prompt_input, decode_tokens)
+    else:  # every row decodes (host-known): no prompt row to gather
+        inputs = decode_input if token_rows is None else decode_input[token_rows]
     # A draft past the context is inert (its position holds no KV; verification stops before it).
-    token_slots = torch.where(usable[rows] & (positions < table.max_context), slot[rows], -1)
+    token_slots = torch.where(usable_tokens & (positions < context), token_slot, const(-1, torch.int64, device))
     return inputs, positions, token_slots
-
-
-def _record_fault(table: SlotTable, slot: torch.Tensor, owned: torch.Tensor, result: PhaseResult,
-                  fault: torch.Tensor) -> None:
-    """The `fault` column: a row's first fault word, kept only where the phase ended the
-    row (a recorded reason) on a bad sample, and only while the column is still 0."""
-    old = table.fault[slot]
-    write = owned & (result.reason != 0) & (fault != 0) & (old == 0)
-    table.fault[slot] = torch.where(write, fault.to(old.dtype), old)
 
 
 def sample_cb0(
@@ -202,17 +149,18 @@ def draw_cb0(table: SlotTable, batch: StepBatch, logits: torch.Tensor, *, eos_to
     """Each row's CB0 token and fault word, with its history rules (penalty, min_frames)."""
     slot = batch.idx_mapping
     suppress = batch.cb0_min_frames and eos_token_id is not None
+    frame_index = at(table.num_frames, slot)
 
     def rules(x: torch.Tensor) -> torch.Tensor:
         if batch.cb0_penalty:
-            x = apply_repetition_penalty(x, table.cb0_counts[slot], table.cb0_penalty[slot])
+            x = apply_repetition_penalty(x, at(table.cb0_counts, slot), at(table.cb0_penalty, slot))
         if suppress:
-            x = suppress_eos(x, eos_token_id, table.num_frames[slot], table.min_frames[slot])
+            x = suppress_eos(x, eos_token_id, frame_index, at(table.min_frames, slot))
         return x
 
     return sample_tokens(
-        logits, table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot],
-        table.seed[slot], table.num_frames[slot], 0, allowed=allowed, apply_filters=batch.cb0_filters,
+        logits, at(table.cb0_temperature, slot), at(table.cb0_top_k, slot), at(table.cb0_top_p, slot),
+        at(table.seed, slot), frame_index, 0, allowed=allowed, apply_filters=batch.cb0_filters,
         top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p, top_k_min=batch.cb0_top_k_min,
         rules=rules if batch.cb0_penalty or suppress else None,
     )
@@ -222,31 +170,31 @@ def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: 
                eos_token_id: int | None) -> None:
     """The sample-phase stages over sampled CB0 tokens and their fault words: counters,
     intake and EOS edges, the fault column (a pure tensor function)."""
-    slot = batch.idx_mapping
-    state = table.state[slot]
-    owned = _owned(table, batch)
+    slot, device = batch.idx_mapping, batch.idx_mapping.device
+    state = at(table.state, slot)
+    owned = owned_rows(table, batch)
     live = owned & in_class(lc, state, CLASS_LIVE)
-    computed = table.num_computed[slot] + torch.where(live, batch.num_scheduled, 0)
-    bad = fault != 0
-    eos = tokens == eos_token_id if eos_token_id is not None else torch.zeros_like(bad)
-    facts = {Predicate.PROMPT_DONE: computed >= table.prompt_len[slot], Predicate.CB0_FAULT: bad,
+    computed = at(table.num_computed, slot) + torch.where(live, batch.num_scheduled, const(0, torch.int64, device))
+    bad = fault != const(0, fault.dtype, device)
+    eos = tokens == const(eos_token_id, tokens.dtype, device) if eos_token_id is not None else torch.zeros_like(bad)
+    facts = {Predicate.PROMPT_DONE: computed >= at(table.prompt_len, slot), Predicate.CB0_FAULT: bad,
              Predicate.EOS_SAMPLED: eos}
     result = run_phase(lc, Phase.SAMPLE, state, owned, facts)
-    table.num_computed[slot] = computed
-    _record(table, slot, result)
-    _record_fault(table, slot, owned, result, fault)  # codebook 0: the word is the kind
+    put(table.num_computed, slot, computed)
+    record(table, slot, result)
+    record_fault(table, slot, result, fault)  # codebook 0: the word is the kind
 
 
 def mtp_sampler(table: SlotTable, batch: StepBatch):
-    """The CodebookSampler handed to the model's MTP hook, plus its per-row fault words
-    (int32 [B]: kind | codebook << 4 of the row's lowest bad codebook, 0 = none)."""
+    """The CodebookSampler handed to the model's MTP hook, plus a callable giving its per-row
+    fault words once the hook has run (int32 [B]: kind | codebook << 4 of the row's lowest
+    bad codebook, the first draw of it when a codebook is drawn twice; 0 = none)."""
     slot = batch.idx_mapping
-    faults = torch.zeros(slot.shape, dtype=torch.int32, device=slot.device)
-    temperature, top_k, top_p = table.mtp_temperature[slot], table.mtp_top_k[slot], table.mtp_top_p[slot]
-    seed, frame_index = table.seed[slot], table.num_frames[slot]
+    temperature, top_k, top_p = at(table.mtp_temperature, slot), at(table.mtp_top_k, slot), at(table.mtp_top_p, slot)
+    seed, frame_index = at(table.seed, slot), at(table.num_frames, slot)
     key = frame_key(seed, frame_index)  # shared by the frame's Q-1 codebooks
     drawn: dict[int, torch.Tensor | None] = {}  # vocab -> noise of codebooks 1..Q-1
-    highest = [-1]  # the highest codebook sampled so far
+    kinds: list[tuple[int, torch.Tensor]] = []  # (codebook, fault kind [B]) in draw order
 
     def noise_for(codebook: int, vocab: int) -> torch.Tensor | None:
         count = table.num_codebooks - 1
@@ -271,17 +219,30 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
             logits, t, k, p, seed, frame_index, codebook, apply_filters=filters, key=key, top_k_max=k_max,
             any_top_p=any_p, top_k_min=k_min, noise=noise_for(codebook, logits.shape[-1]),
         )
-        # Keep the lowest bad codebook, whatever order the hook samples them in. Above every
-        # codebook sampled so far (host-known), a recorded fault is lower: keep the first.
-        if codebook > highest[0]:
-            first = (kind != 0) & (faults == 0)
-            highest[0] = codebook
-        else:
-            first = (kind != 0) & ((faults == 0) | ((faults >> FAULT_CODEBOOK_SHIFT) > int(codebook)))
-        torch.where(first, kind | (int(codebook) << FAULT_CODEBOOK_SHIFT), faults, out=faults)
+        kinds.append((int(codebook), kind))
         return tokens
 
-    return sample, faults
+    def fault_words() -> torch.Tensor:
+        # Once per frame, not per draw: the draws stacked in codebook order (a stable sort
+        # keeps the first of equal codebooks), the first bad one per row picked.
+        if not kinds:
+            return torch.zeros(slot.shape, dtype=torch.int32, device=slot.device)
+        ordered = sorted(kinds, key=lambda drawn_kind: drawn_kind[0])
+        stacked = torch.stack([kind for _, kind in ordered])
+        zero = const(0, stacked.dtype, slot.device)
+        first = (stacked != zero).to(torch.uint8).argmax(dim=0)
+        kind = stacked.gather(0, first[None])[0]
+        shifted = _codebook_words(tuple(codebook for codebook, _ in ordered), slot.device).index_select(0, first)
+        return torch.where(kind != zero, kind | shifted, zero)
+
+    return sample, fault_words
+
+
+@functools.lru_cache(maxsize=64)
+def _codebook_words(codebooks: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 [n]: codebook << FAULT_CODEBOOK_SHIFT per draw, made once per draw order (no
+    per-step host-to-device copy)."""
+    return torch.tensor([c << FAULT_CODEBOOK_SHIFT for c in codebooks], dtype=torch.int32, device=device)
 
 
 def mtp_scatter(
@@ -292,15 +253,13 @@ def mtp_scatter(
     stop an MtpResult decided). mtp_faults: the fault words of `mtp_sampler` (int32 [B],
     0 = ok); mtp_stop: bool [B] from an MtpResult, None when the hook returned codes only;
     last: the step's final stage (speculative: the drafter), which flags rows left in-step."""
-    slot = batch.idx_mapping
-    owned = _owned(table, batch)
-    facts = {Predicate.MTP_FAULT: mtp_faults != 0,
+    slot, device = batch.idx_mapping, batch.idx_mapping.device
+    owned = owned_rows(table, batch)
+    facts = {Predicate.MTP_FAULT: mtp_faults != const(0, mtp_faults.dtype, device),
              Predicate.MTP_STOP: torch.zeros_like(owned) if mtp_stop is None else mtp_stop.to(torch.bool)}
-    result = run_phase(lc, Phase.MTP, table.state[slot], owned, facts)
-    if last:
-        result = result._replace(stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
-    _record(table, slot, result)
-    _record_fault(table, slot, owned, result, mtp_faults)
+    result = run_phase(lc, Phase.MTP, at(table.state, slot), owned, facts, last=last)
+    record(table, slot, result)
+    record_fault(table, slot, result, mtp_faults)
 
 
 def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, eoc: int | None) -> dict:
@@ -325,34 +284,36 @@ def publish_frames(
 
     Returns the packed per-row output [B, OUT_CODES + Q] (int64) for the single copy.
     """
-    slot = batch.idx_mapping
-    owned = _owned(table, batch)
-    frame_index = table.num_frames[slot]
-    computed, max_frames = table.num_computed[slot], table.max_frames[slot]
+    slot, device = batch.idx_mapping, batch.idx_mapping.device
+    owned = owned_rows(table, batch)
+    frame_index = at(table.num_frames, slot)
+    computed, max_frames = at(table.num_computed, slot), at(table.max_frames, slot)
     frame_facts = delay_facts(frame_index, codes, eoc)
     if eos is not None:
-        frame_facts[Predicate.EOS_FRAME] = codes[:, 0] == eos
+        frame_facts[Predicate.EOS_FRAME] = codes[:, 0] == const(eos, codes.dtype, device)
     if accepted is not None:
         frame_facts[Predicate.DRAFT_ACCEPTED] = accepted
 
-    def facts(published: torch.Tensor) -> dict:
-        frames = frame_index + published.long()
-        return {Predicate.LENGTH_REACHED: (frames >= max_frames) | (computed >= table.max_context), **frame_facts}
-
-    result = run_phase(lc, Phase.PUBLISH, table.state[slot], owned, facts)
-    if last:  # whatever the stages did, no row may rest in a state that exists only inside a step
-        result = result._replace(stuck=result.stuck | (owned & in_class(lc, result.state, CLASS_IN_STEP)))
+    full = computed >= const(table.max_context, torch.int64, device)
+    left = max_frames - frame_index  # frames this request may still publish
+    facts = {Predicate.LENGTH_REACHED: (left <= const(0, torch.int64, device)) | full, **frame_facts}
+    # A stage after a publishing one sees the frame counted.
+    after = {Predicate.LENGTH_REACHED: (left <= const(1, torch.int64, device)) | full}
+    # last: whatever the stages did, no row may rest in a state that exists only inside a step.
+    result = run_phase(lc, Phase.PUBLISH, at(table.state, slot), owned, facts, after, last=last)
     ready = result.published
-    num_frames = frame_index + ready.long()
-    table.frame_codes[slot] = torch.where(ready[:, None], codes, table.frame_codes[slot])
+    num_frames = frame_index + ready
+    ready_rows = ready[:, None]
+    put(table.frame_codes, slot, torch.where(ready_rows, codes, at(table.frame_codes, slot)))
     log_at = frame_index.clamp(max=table.max_context - 1)
-    table.frame_log[slot, log_at] = torch.where(ready[:, None], codes, table.frame_log[slot, log_at])
-    table.frame_embed[slot] = torch.where(ready[:, None], frame_embeds.to(table.frame_embed.dtype), table.frame_embed[slot])
+    table.frame_log[slot, log_at] = torch.where(ready_rows, codes, table.frame_log[slot, log_at])
+    put(table.frame_embed, slot, torch.where(ready_rows, frame_embeds.to(table.frame_embed.dtype),
+                                             at(table.frame_embed, slot)))
     # The repetition penalty's memory: one more occurrence of each published CB0 id.
-    cb0 = codes[:, 0].long().clamp(0, table.cb0_counts.shape[1] - 1)
+    cb0 = codes[:, 0].clamp(0, table.cb0_counts.shape[1] - 1)
     table.cb0_counts.index_put_((slot, cb0), ready.to(table.cb0_counts.dtype), accumulate=True)
-    table.num_frames[slot] = num_frames
-    _record(table, slot, result)
-    columns = [ready.long(), frame_index, result.state.long(), table.finish_reason[slot].long(),
-               table.error[slot].long(), num_frames, table.num_computed[slot].long()]
-    return torch.cat([torch.stack(columns, dim=1), torch.where(ready[:, None], codes, 0)], dim=1)
+    put(table.num_frames, slot, num_frames)
+    reason, error = record(table, slot, result)
+    # One int64 row per request (stack promotes the columns): the layout of contract.OUT_*.
+    columns = torch.stack([ready, frame_index, result.state, reason, error, num_frames, computed], dim=1)
+    return torch.cat([columns, torch.where(ready_rows, codes, const(0, codes.dtype, device))], dim=1)

@@ -274,8 +274,9 @@ def sample_cb0(
 
 
 def mtp_sampler(table: SlotTable, batch: StepBatch):
-    """The CodebookSampler handed to the model's MTP hook, plus its per-row fault words
-    (int32, kind | codebook << 4 of the lowest bad codebook; 0 = none).
+    """The CodebookSampler handed to the model's MTP hook, plus a callable giving its per-row
+    fault words once the hook has run (int32, kind | codebook << 4 of the lowest bad
+    codebook; 0 = none): the kernels keep them in place as they sample.
 
     Parameters, seed and frame index are read from the table at sampling time; the MTP
     hook runs between this call and mtp_scatter, where nothing writes those columns."""
@@ -306,7 +307,7 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         )
         return tokens
 
-    return sample, faults
+    return sample, lambda: faults
 
 
 def mtp_scatter(

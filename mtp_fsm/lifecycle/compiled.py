@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from ..errors import LifecycleCompileError
+from .phase_fold import fold_phase, phase_weights
 from .predicates import PREDICATE_PHASE, Phase, Predicate, covers
 from .spec import LifecycleSpec, Stage, State, Transition, Trigger
 
@@ -32,12 +33,36 @@ class DeviceLifecycle:
     chains: dict[Phase, torch.Tensor]  # int32 [stages, 1 + longest]: total flag, triggers (-1 pad)
     host_chains: dict[Phase, tuple[tuple[bool, tuple[int, ...]], ...]]
     outcomes: dict[Phase, tuple[torch.Tensor, ...]] = attrs.field(init=False)
+    # (phase, ends the step) -> the whole phase folded (`phase_fold`): (dest, reason, published,
+    # stuck), one lookup each per phase.
+    phase_tables: dict[tuple[Phase, bool], tuple[torch.Tensor, ...]] = attrs.field(init=False)
+    # CLASS_* bit -> bool [num_states]: whether each state is in that class (one gather per test).
+    class_masks: dict[int, torch.Tensor] = attrs.field(init=False)
+    _weights: dict = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        rules = self.rules.cpu()
-        folded = {phase: tuple(stage_outcomes(rules, triggers).to(self.rules.device) for _, triggers in chain)
-                  for phase, chain in self.host_chains.items()}
-        object.__setattr__(self, "outcomes", folded)
+        rules, device = self.rules.cpu(), self.rules.device
+        host = {phase: tuple(stage_outcomes(rules, triggers) for _, triggers in chain)
+                for phase, chain in self.host_chains.items()}
+        in_step = (self.state_class.cpu() & CLASS_IN_STEP) != 0
+        tables = {}
+        for phase, stages in host.items():
+            totals = [total for total, _ in self.host_chains[phase]]
+            for last in (False, True):
+                folded = fold_phase(self.num_states, stages, totals, WORDS, OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT,
+                                    in_step if last else None)
+                tables[phase, last] = tuple(t.to(device) for t in folded)
+        object.__setattr__(self, "outcomes", {phase: tuple(t.to(device) for t in ts) for phase, ts in host.items()})
+        object.__setattr__(self, "phase_tables", tables)
+        masks = {bit: (self.state_class & bit) != 0 for bit in (CLASS_LIVE, CLASS_TERMINAL, CLASS_IN_STEP, CLASS_VACANT)}
+        object.__setattr__(self, "class_masks", masks)
+
+    def phase_weights(self, predicates: tuple, after: tuple = ()) -> torch.Tensor:
+        """The index weights of a phase's columns (`phase_fold.phase_weights`), built once per layout."""
+        key = (predicates, after)
+        if key not in self._weights:
+            self._weights[key] = phase_weights(predicates, after, self.rules.device)
+        return self._weights[key]
 
     @property
     def num_states(self) -> int:

@@ -1,0 +1,100 @@
+"""The torch stages' shared row primitives: slot-column gathers and writes, the identity guard,
+one phase's lifecycle move and its record in the table.
+
+At a handful of rows a stage is dozens of tiny ops whose cost is the dispatcher's, not the
+data's: `index_select` / `index_copy_` skip `Tensor.__getitem__`'s index parsing, and constant
+operands are cached 0-dim device tensors (a Python number is wrapped into a tensor on every
+op), which measured about half the cost of each such op on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ..lifecycle import DeviceLifecycle, Phase, Predicate
+from ..lifecycle.phase_fold import PUBLISH_SENSITIVE
+from ..slots import ERR_ILLEGAL, SlotTable
+from .contract import StepBatch
+
+
+class PhaseResult(NamedTuple):
+    state: torch.Tensor  # new state per row
+    reason: torch.Tensor  # int32 finish reason recorded by a fired edge (0 = none)
+    published: torch.Tensor  # bool: a fired edge emits a frame
+    stuck: torch.Tensor  # bool: a total stage moved nothing, or the row rests in an in-step state
+
+
+@functools.lru_cache(maxsize=None)
+def const(value: int | float | bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A constant operand as a cached 0-dim device tensor (made before any graph capture: the
+    engine's warm-up step runs every stage)."""
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def at(column: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """column[slot] (rows of a slot column)."""
+    return column.index_select(0, slot)
+
+
+def put(column: torch.Tensor, slot: torch.Tensor, value: torch.Tensor) -> None:
+    """column[slot] = value (padding rows share the scratch row, whose content nothing reads)."""
+    column.index_copy_(0, slot, value if value.dtype == column.dtype else value.to(column.dtype))
+
+
+def owned_rows(table: SlotTable, batch: StepBatch) -> torch.Tensor:
+    """Rows whose slot still belongs to the request the host scheduled (identity guard)."""
+    return ~batch.is_padding & (at(table.serial, batch.idx_mapping) == batch.expected_serial)
+
+
+def in_class(lc: DeviceLifecycle, state: torch.Tensor, class_bit: int) -> torch.Tensor:
+    return lc.class_masks[class_bit].index_select(0, state)
+
+
+def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: torch.Tensor,
+              facts: dict[Predicate, torch.Tensor], after_publish: dict[Predicate, torch.Tensor] | None = None,
+              *, last: bool = False) -> PhaseResult:
+    """Every stage of `phase` over every row: one lookup of the phase's folded outcome
+    (`lifecycle.phase_fold`) at (state, owned, predicate word). facts: the phase's predicate
+    masks; after_publish: the publish-sensitive predicates' values once a stage has published
+    the row's frame (a later stage sees the frame counted); last: the phase ends the step, so
+    a row resting in an in-step state is stuck. A publish-sensitive predicate without an
+    after-publish value keeps its value through the phase."""
+    given = after_publish or {}
+    after = {p: given.get(p, facts[p]) for p in PUBLISH_SENSITIVE if p in facts or p in given}
+    weights = lc.phase_weights(tuple(facts), tuple(after))
+    columns = torch.stack([state, owned, *facts.values(), *after.values()], dim=1)
+    index = (columns * weights).sum(dim=1)
+    dest, reason, published, stuck = lc.phase_tables[phase, last]
+    return PhaseResult(dest.index_select(0, index), reason.index_select(0, index),
+                       published.index_select(0, index), stuck.index_select(0, index))
+
+
+def record(table: SlotTable, slot: torch.Tensor, result: PhaseResult) -> tuple[torch.Tensor, torch.Tensor]:
+    """A phase's moves into the table: state, the finish reason an edge recorded, and the
+    sticky ERR_ILLEGAL bit of a stuck row. Returns the rows' (finish_reason, error) as written."""
+    device = slot.device
+    put(table.state, slot, result.state)
+    reason = torch.where(result.reason != const(0, torch.int32, device), result.reason, at(table.finish_reason, slot))
+    put(table.finish_reason, slot, reason)
+    stuck = torch.where(result.stuck, const(ERR_ILLEGAL, torch.int32, device), const(0, torch.int32, device))
+    error = at(table.error, slot) | stuck
+    put(table.error, slot, error)
+    return reason, error
+
+
+def record_fault(table: SlotTable, slot: torch.Tensor, result: PhaseResult, fault: torch.Tensor) -> None:
+    """The `fault` column: a row's first fault word, kept only where the phase ended the
+    row (a recorded reason) on a bad sample, and only while the column is still 0."""
+    old, zero = at(table.fault, slot), const(0, table.fault.dtype, slot.device)
+    # A row the step does not own records no reason; where fault is 0, writing it keeps old's 0.
+    ended = (result.reason != const(0, torch.int32, slot.device)) & (old == zero)
+    put(table.fault, slot, torch.where(ended, fault.to(old.dtype), old))
+
+
+def flag(table: SlotTable, slot: torch.Tensor, mask: torch.Tensor, bit: int) -> None:
+    """Set a sticky error bit on the rows where mask holds."""
+    bits = torch.where(mask, const(bit, torch.int32, slot.device), const(0, torch.int32, slot.device))
+    put(table.error, slot, at(table.error, slot) | bits)
