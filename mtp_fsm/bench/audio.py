@@ -18,7 +18,7 @@ from ..serving.codec import load_decoder
 from ..serving.model_loader import load_talker
 from ..serving.runner import ServingLoop
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mtp_fsm.bench.audio")  # not __name__: "__main__" under python -m
 AUDIO_MODELS = ("qwen3_tts", "qwen3_omni", "higgs_audio_v3", "voxcpm2")
 TEXTS = ("Hello there, how are you today?", "The quick brown fox jumps over the lazy dog.",
          "Please turn left at the next corner.", "Trains to the airport leave every ten minutes.")
