@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from models.module_init import seeded_normal
 from models.safetensors_files import CheckpointError, load_by_name, weight_files
 
 
@@ -20,6 +21,23 @@ def seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+@torch.no_grad()
+def audible_init(module: nn.Module, seed: int, gain: float = 1.0) -> None:
+    """Redraw every conv / linear weight N(0, gain^2 / fan-in) and every embedding N(0, 1), biases 0:
+    upstream's inits (std 0.02) leave a tiny random decoder all but silent, a demo WAV inaudible and
+    a chunked == whole check comparing near-zeros. Draws go through seeded_normal (the same numbers
+    on every CPU kernel set)."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in module.modules():
+        if isinstance(m, nn.Embedding):
+            m.weight.copy_(seeded_normal(m.weight.shape, gen))
+        elif isinstance(m, (nn.Conv1d, nn.ConvTranspose1d, nn.Linear)):
+            fan_in = m.weight[0].numel() if not isinstance(m, nn.ConvTranspose1d) else m.weight.shape[0] * m.weight.shape[2]
+            m.weight.copy_(seeded_normal(m.weight.shape, gen, gain / fan_in ** 0.5))
+            if m.bias is not None:
+                m.bias.zero_()
 
 
 def check_codes(codes: torch.Tensor, num_codebooks: int, codebook_size: int, what: str) -> None:

@@ -12,7 +12,7 @@ from transformers.models.higgs_audio_v2_tokenizer.configuration_higgs_audio_v2_t
     HiggsAudioV2TokenizerConfig,
 )
 
-from models.codec_support import check_codes, load_module, pad_to, read_config, seeded
+from models.codec_support import audible_init, check_codes, load_module, pad_to, read_config, seeded
 
 # What a checkpoint of the whole tokenizer holds that decoding never reads.
 ENCODER_PREFIXES = ("acoustic_encoder.", "encoder_semantic.", "decoder_semantic.", "semantic_model.", "fc.", "fc1.")
@@ -98,10 +98,13 @@ class HiggsCodec:
                  device: str | torch.device = "cpu") -> None:
         self.config = config
         with seeded(0 if seed is None else seed):
-            self.module = HiggsDecodePath(config).to(dtype=dtype, device=device).eval().requires_grad_(False)
-            if seed is not None:  # the buffers are zeros until a checkpoint fills them
-                for q in self.module.quantizer.quantizers:
+            module = HiggsDecodePath(config)
+            if seed is not None:  # the codebooks are zero buffers until a checkpoint fills them
+                for q in module.quantizer.quantizers:
                     q.codebook.embed.normal_()
+        if seed is not None:
+            audible_init(module, seed, gain=0.7)  # std ~0.06 at the tiny size
+        self.module = module.to(dtype=dtype, device=device).eval().requires_grad_(False)
         self.boc = config.codebook_size if boc is None else boc
         self.eoc = config.codebook_size + 1 if eoc is None else eoc
         self.num_codebooks = config.num_quantizers

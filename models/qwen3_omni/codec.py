@@ -9,7 +9,7 @@ import torch
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-from models.codec_support import check_codes, load_module, pad_to, read_config, seeded
+from models.codec_support import audible_init, check_codes, load_module, pad_to, read_config, seeded
 
 SAMPLE_RATE = 24_000  # the released Code2Wav's output rate
 _CONV_LOOKBACK = 6  # every causal conv of the decoder has kernel 7 (dilated in the residual units)
@@ -70,7 +70,10 @@ class Qwen3OmniCodec:
                  device: str | torch.device = "cpu") -> None:
         self.config = config
         with seeded(0 if seed is None else seed):
-            self.module = Qwen3OmniMoeCode2Wav(config).to(dtype=dtype, device=device).eval().requires_grad_(False)
+            module = Qwen3OmniMoeCode2Wav(config)
+        if seed is not None:
+            audible_init(module, seed, gain=0.8)  # std ~0.04, no clipping at the tiny size
+        self.module = module.to(dtype=dtype, device=device).eval().requires_grad_(False)
         self.sample_rate, self.max_batch, self.dtype = sample_rate, max_batch, dtype
         self.samples_per_frame = int(math.prod(config.upsampling_ratios) * math.prod(config.upsample_rates))
         self.tail_samples = self.samples_per_frame - output_length(config, 1)

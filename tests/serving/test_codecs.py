@@ -14,7 +14,9 @@ from mtp_fsm.serving.codec import CodecUnavailableError, DecoderTiming, load_dec
 
 from audio_util import joined, stream_codes, whole
 
-TOL = 1e-6  # float rounding of a conv stack run over windows of other lengths (measured: ~1e-8 and below)
+# Float rounding: a conv stack run over windows of other lengths picks other kernels (measured up to
+# 1.0e-6 on a peak of 1.3); an off-by-a-sample or a mixed-up window is off by the signal itself (>= 1e-2).
+TOL = 1e-5  # on max |streamed - whole| / max(1, max |whole|)
 
 
 def omni_frames(n, seed):
@@ -73,7 +75,7 @@ def test_chunked_equals_whole(decoders, name, n, first_chunk, chunk, per_step, s
         got, ref = joined(out[rid]), whole(dec, frames)
         assert len(got) == len(ref)
         if len(ref):
-            assert float((got - ref).abs().max()) <= TOL, rid
+            assert float((got - ref).abs().max()) <= TOL * max(1.0, float(ref.abs().max())), rid
     assert stream.retained()["emitters"] == 0 and stream.retained()["streams"] == 0
 
 
@@ -83,7 +85,10 @@ def test_streams_are_frames_times_samples_per_frame(decoders, name):
     frames = MAKERS[name](17, 5)
     out, _ = stream_codes(dec, {"a": frames}, chunk=5)
     audio_frames = 17  # Higgs: 17 audio frames make 25 published rows
-    assert len(joined(out["a"])) == audio_frames * dec.samples_per_frame
+    got = joined(out["a"])
+    assert len(got) == audio_frames * dec.samples_per_frame
+    # Audible: the equality checks compare a signal, not near-zeros (upstream inits give ~1e-8 here).
+    assert 0.01 < float(got.std()) and float(got.abs().max()) > 0.05
 
 
 def test_qwen3_omni_window_arithmetic(decoders):
@@ -239,3 +244,17 @@ def test_seeded_decoders_are_reproducible(decoders):
     frames = omni_frames(5, 0).unsqueeze(0)
     assert torch.equal(again.decode(frames, True), dec.decode(frames, True))
     assert math.isfinite(float(dec.decode(frames, True).abs().sum()))
+
+
+@pytest.mark.parametrize("name", ["qwen3_tts", "qwen3_omni", "voxcpm2"])
+def test_too_short_a_context_breaks_chunked_equals_whole(decoders, name):
+    """The property can fail on a real decoder: one frame of context, far short of its receptive field."""
+    dec = decoder_of(decoders, name)
+    frames = MAKERS[name](20, 8)
+    declared, dec.left_context_frames = dec.left_context_frames, 1
+    try:
+        out, _ = stream_codes(dec, {"a": frames}, first_chunk=2, chunk=4)
+    finally:
+        dec.left_context_frames = declared
+    got, ref = joined(out["a"]), whole(dec, frames)
+    assert float((got - ref).abs().max()) > 100 * TOL * max(1.0, float(ref.abs().max()))
