@@ -132,8 +132,10 @@ class AudioStream:
         if FinishReason(finished.reason) in _DROP_REASONS:
             with self._lock:  # after this, no hand-out for rid can start
                 self._dropped.add(rid)
-            self.chunker.on_finished(step, finished)
-            self._put(("drop", rid))
+            try:
+                self.chunker.on_finished(step, finished)  # may refuse a second finish, by name
+            finally:
+                self._put(("drop", rid))  # the marker that forgets rid once its queued windows are gone
             return
         self.chunker.on_finished(step, finished)  # emits the final chunk through _submit
 
