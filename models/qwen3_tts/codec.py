@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from models.codec_support import check_codes, load_module, pad_to, read_config, seeded
+from models.codec_support import audible_init, check_codes, load_module, pad_to, read_config, seeded
+from models.module_init import seeded_normal
 
 from .tokenizer_decoder import TokenizerDecoder, TokenizerDecoderConfig, receptive_frames
 
@@ -31,11 +32,15 @@ def released_decoder_config() -> TokenizerDecoderConfig:
 
 
 @torch.no_grad()
-def _seeded_init(module: TokenizerDecoder) -> None:
-    """Codebook entries ~ N(0, 1) (zeros, upstream's init, would decode every code to silence)."""
+def _seeded_init(module: TokenizerDecoder, seed: int) -> None:
+    """Audible and driven by the codes: convs and linears N(0, 0.85^2 / fan-in), biases 0, codebook
+    entries N(0, 1) (upstream's zeros would decode every code to silence; default inits give a
+    waveform the biases dominate, near the same for any codes)."""
+    audible_init(module, seed, gain=0.85)
+    gen = torch.Generator().manual_seed(seed + 1)
     for rvq in (module.quantizer.rvq_first, module.quantizer.rvq_rest):
         for layer in rvq.vq.layers:
-            layer._codebook.embedding_sum.normal_()
+            layer._codebook.embedding_sum.copy_(seeded_normal(layer._codebook.embedding_sum.shape, gen))
 
 
 class Qwen3TTSCodec:
@@ -52,7 +57,7 @@ class Qwen3TTSCodec:
         with seeded(0 if seed is None else seed):
             module = TokenizerDecoder(config)
             if seed is not None:
-                _seeded_init(module)
+                _seeded_init(module, seed)
         self.module = module.to(dtype=dtype, device=device).eval().requires_grad_(False)
         self.sample_rate, self.max_batch, self.dtype = sample_rate, max_batch, dtype
         self.samples_per_frame = config.samples_per_frame
