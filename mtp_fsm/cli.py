@@ -222,7 +222,11 @@ def _demo(args: argparse.Namespace) -> int:
     except ModelBindingError as exc:  # e.g. --speculate for a model without a drafter
         raise UsageError(str(exc)) from exc
     chunk_sizes: list[int] = []  # without --audio, a stand-in vocoder: the demo only counts what it would decode
-    count = lambda chunk: chunk.has_audio and chunk_sizes.append(len(chunk.frames))  # noqa: E731  (empty finals: no audio)
+
+    def count(chunk) -> None:
+        if chunk.has_audio:  # an empty final chunk marks the end of a stream: no audio
+            chunk_sizes.append(len(chunk.frames))
+
     audio = wavs = None
     if args.audio:
         audio, wavs = _audio_stage(args, engine)
