@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_NUM_COMPUTED, OUT_REASON, OUT_STATE, StepBatch
 from ..model_api import ColumnSpec, ModelSpec
@@ -55,9 +56,8 @@ class DevicePipeline:
             packed = self._deferred(batch) if self.lifecycle.deferred else self._current_step(batch)
         # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
         # this step still surfaces in the same copy.
-        global_row = torch.zeros(1, width, dtype=torch.int64, device=self.device)
-        global_row[0, OUT_ERROR] = self.table.error[: self.table.max_slots].amax()
-        return torch.cat([packed, global_row])
+        sticky = self.table.error[: self.table.max_slots].amax().to(torch.int64).view(1, 1)
+        return torch.cat([packed, F.pad(sticky, (OUT_ERROR, width - OUT_ERROR - 1))])
 
     def _backbone(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Compose, forward and sample CB0 (the sample-phase stages): (last hidden, cb0)."""

@@ -23,7 +23,7 @@ from ..sampling.penalties import apply_repetition_penalty, suppress_eos
 from ..sampling.params import sampler_facts
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
-from .row_ops import PhaseResult, at, const, flag, in_class, owned_rows, put, record, record_fault, run_phase  # noqa: F401
+from .row_ops import PhaseResult, at, const, flag, in_class, owned_rows, put, record, run_phase  # noqa: F401
 
 # Draw a frame's MTP noise in one pass (fewer, larger ops) up to this many elements.
 BATCHED_NOISE_ELEMENTS = 1 << 17  # measured: larger blocks fall out of cache and lose
@@ -181,8 +181,7 @@ def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: 
              Predicate.EOS_SAMPLED: eos}
     result = run_phase(lc, Phase.SAMPLE, state, owned, facts)
     put(table.num_computed, slot, computed)
-    record(table, slot, result)
-    record_fault(table, slot, result, fault)  # codebook 0: the word is the kind
+    record(table, slot, result, fault)  # codebook 0: the word is the kind
 
 
 def mtp_sampler(table: SlotTable, batch: StepBatch):
@@ -258,8 +257,7 @@ def mtp_scatter(
     facts = {Predicate.MTP_FAULT: mtp_faults != const(0, mtp_faults.dtype, device),
              Predicate.MTP_STOP: torch.zeros_like(owned) if mtp_stop is None else mtp_stop.to(torch.bool)}
     result = run_phase(lc, Phase.MTP, at(table.state, slot), owned, facts, last=last)
-    record(table, slot, result)
-    record_fault(table, slot, result, mtp_faults)
+    record(table, slot, result, mtp_faults)
 
 
 def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, eoc: int | None) -> dict:

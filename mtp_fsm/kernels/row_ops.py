@@ -64,34 +64,33 @@ def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: tor
     after-publish value keeps its value through the phase."""
     given = after_publish or {}
     after = {p: given.get(p, facts[p]) for p in PUBLISH_SENSITIVE if p in facts or p in given}
-    weights = lc.phase_weights(tuple(facts), tuple(after))
-    columns = torch.stack([state, owned, *facts.values(), *after.values()], dim=1)
-    index = (columns * weights).sum(dim=1)
+    weights, state_weight = lc.phase_weights(tuple(facts), tuple(after))
+    # The masks stacked alone (one dtype: a mixed stack promotes at a cost), the state added.
+    masks = torch.stack([owned, *facts.values(), *after.values()], dim=1)
+    index = (masks * weights).sum(dim=1) + state * state_weight
     dest, reason, published, stuck = lc.phase_tables[phase, last]
     return PhaseResult(dest.index_select(0, index), reason.index_select(0, index),
                        published.index_select(0, index), stuck.index_select(0, index))
 
 
-def record(table: SlotTable, slot: torch.Tensor, result: PhaseResult) -> tuple[torch.Tensor, torch.Tensor]:
-    """A phase's moves into the table: state, the finish reason an edge recorded, and the
-    sticky ERR_ILLEGAL bit of a stuck row. Returns the rows' (finish_reason, error) as written."""
+def record(table: SlotTable, slot: torch.Tensor, result: PhaseResult,
+           fault: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A phase's moves into the table: state, the finish reason an edge recorded, the sticky
+    ERR_ILLEGAL bit of a stuck row and, given the phase's fault words, the `fault` column (a
+    row's first fault word, kept where the phase ended the row on a bad sample, only while
+    the column is still 0). Returns the rows' (finish_reason, error) as written."""
     device = slot.device
+    zero = const(0, torch.int32, device)
     put(table.state, slot, result.state)
-    reason = torch.where(result.reason != const(0, torch.int32, device), result.reason, at(table.finish_reason, slot))
+    ended = result.reason != zero  # a row the step does not own records no reason
+    reason = torch.where(ended, result.reason, at(table.finish_reason, slot))
     put(table.finish_reason, slot, reason)
-    stuck = torch.where(result.stuck, const(ERR_ILLEGAL, torch.int32, device), const(0, torch.int32, device))
-    error = at(table.error, slot) | stuck
+    error = at(table.error, slot) | torch.where(result.stuck, const(ERR_ILLEGAL, torch.int32, device), zero)
     put(table.error, slot, error)
+    if fault is not None:  # where fault is 0, writing it keeps old's 0
+        old = at(table.fault, slot)
+        put(table.fault, slot, torch.where(ended & (old == const(0, old.dtype, device)), fault.to(old.dtype), old))
     return reason, error
-
-
-def record_fault(table: SlotTable, slot: torch.Tensor, result: PhaseResult, fault: torch.Tensor) -> None:
-    """The `fault` column: a row's first fault word, kept only where the phase ended the
-    row (a recorded reason) on a bad sample, and only while the column is still 0."""
-    old, zero = at(table.fault, slot), const(0, table.fault.dtype, slot.device)
-    # A row the step does not own records no reason; where fault is 0, writing it keeps old's 0.
-    ended = (result.reason != const(0, torch.int32, slot.device)) & (old == zero)
-    put(table.fault, slot, torch.where(ended, fault.to(old.dtype), old))
 
 
 def flag(table: SlotTable, slot: torch.Tensor, mask: torch.Tensor, bit: int) -> None:

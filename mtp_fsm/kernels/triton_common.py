@@ -83,14 +83,14 @@ def fire_host(rules_ptr, NS: tl.constexpr, PLANE: tl.constexpr, trigger, state, 
 
 @triton.jit
 def predicate_bit(mask, BIT: tl.constexpr):
-    """One predicate's contribution to the word (reference.predicate_word)."""
+    """One predicate's contribution to the word (the bit of its Predicate value, as in a compiled guard mask)."""
     return mask.to(tl.int32) << BIT
 
 
 @triton.jit
 def run_stage(rules_ptr, chain_ptr, STAGE: tl.constexpr, state, word, owned, reason, published, stuck,
               NS: tl.constexpr, PLANE: tl.constexpr, WIDTH: tl.constexpr):
-    """One stage of a compiled chain over a tile of rows (reference.run_phase, one stage).
+    """One stage of a compiled chain over a tile of rows (row_ops.run_phase evaluates the same chains folded per phase).
 
     chain row STAGE = [total, trigger ids (-1 padding)]; for each trigger the rule is
     gathered at the row's state at stage start and fires where the row is owned, the

@@ -226,7 +226,7 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
 
 @triton.jit
 def _record_fault(fault_ptr, slot, w, owned, why, fault):
-    """reference._record_fault: the row's first fault word, where the phase ended an owned
+    """row_ops.record's fault column: the row's first fault word, where the phase ended an owned
     row (a recorded reason) on a bad sample and the column is still 0."""
     old = tl.load(fault_ptr + slot, mask=w, other=0)
     write = owned & (why != 0) & (fault != 0) & (old == 0)

@@ -57,7 +57,7 @@ class DeviceLifecycle:
         masks = {bit: (self.state_class & bit) != 0 for bit in (CLASS_LIVE, CLASS_TERMINAL, CLASS_IN_STEP, CLASS_VACANT)}
         object.__setattr__(self, "class_masks", masks)
 
-    def phase_weights(self, predicates: tuple, after: tuple = ()) -> torch.Tensor:
+    def phase_weights(self, predicates: tuple, after: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The index weights of a phase's columns (`phase_fold.phase_weights`), built once per layout."""
         key = (predicates, after)
         if key not in self._weights:

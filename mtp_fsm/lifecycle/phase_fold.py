@@ -53,9 +53,11 @@ def fold_phase(num_states: int, stage_tables, totals, words: int, fired_bit: int
             stuck.reshape(-1))
 
 
-def phase_weights(predicates: tuple[Predicate, ...], after: tuple[Predicate, ...], device) -> torch.Tensor:
-    """int64 [2 + len(predicates) + len(after)]: the weight of each column of
-    [state, owned, *predicates, *after-publish values] in the flat index into a phase table."""
-    weights = [PHASE_WORDS, 1 << OWNED_BIT, *(1 << int(p) for p in predicates),
+def phase_weights(predicates: tuple[Predicate, ...], after: tuple[Predicate, ...], device):
+    """(int64 [1 + len(predicates) + len(after)], 0-dim int32): the weights of the columns
+    [owned, *predicates, *after-publish values] and of the state in the flat index into a
+    phase table (state * PHASE_WORDS stays far below 2**31)."""
+    weights = [1 << OWNED_BIT, *(1 << int(p) for p in predicates),
                *(1 << (AFTER_PUBLISH_SHIFT + PUBLISH_SENSITIVE.index(p)) for p in after)]
-    return torch.tensor(weights, dtype=torch.int64, device=device)
+    return (torch.tensor(weights, dtype=torch.int64, device=device),
+            torch.tensor(PHASE_WORDS, dtype=torch.int32, device=device))
