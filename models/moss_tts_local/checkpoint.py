@@ -13,10 +13,13 @@ from models.safetensors_files import CheckpointError, load_by_name, weight_files
 from .adapter import MossTTSLocalTalker
 from .config import MossTTSLocalConfig
 
-# Checkpoint tensors the adapter does not use: the text LM head (never consulted at
-# inference; the binary local head decides the text channel) and non-persistent RoPE buffers.
-IGNORED_KEYS = ("text_lm_head.weight",)
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The full-vocabulary text LM head: upstream declares it and ties it to the text embedding
+# (`tie_weights`: text_lm_head.weight is transformer.embed_tokens.weight), so a checkpoint
+# carries it and a loader of the upstream class requires it; at inference it is never
+# consulted (the binary local head decides the text channel), so loading ignores it.
+TEXT_LM_HEAD, TIED_TO = "text_lm_head.weight", "transformer.embed_tokens.weight"
+IGNORED_KEYS = (TEXT_LM_HEAD,)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent RoPE buffers
 
 
 def save_checkpoint(model: MossTTSLocalTalker, directory: str | Path) -> Path:
@@ -25,6 +28,7 @@ def save_checkpoint(model: MossTTSLocalTalker, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
+    tensors[TEXT_LM_HEAD] = tensors[TIED_TO].clone()  # safetensors stores no shared tensors
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 

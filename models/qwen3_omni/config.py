@@ -113,8 +113,12 @@ class Qwen3OmniConfig:
                                  "interleaved": True}}
         cp = {"model_type": "qwen3_omni_moe_talker_code_predictor", **attrs.asdict(self.code_predictor),
               "hidden_act": "silu"}
+        # spatial_merge_size: the vision tower's patch merge, which the talker's multimodal RoPE
+        # positions divide by; upstream's talker reads it in __init__ with no default (2 in the
+        # released config), so without it the official class cannot be built from this file.
         talker = {"model_type": "qwen3_omni_moe_talker", **{k: getattr(self, k) for k in _TALKER_KEYS},
-                  "speaker_id": dict(self.speaker_id), "text_config": text, "code_predictor_config": cp}
+                  "speaker_id": dict(self.speaker_id), "spatial_merge_size": SPATIAL_MERGE_SIZE,
+                  "text_config": text, "code_predictor_config": cp}
         return {
             "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
             "model_type": "qwen3_omni_moe",
@@ -159,6 +163,7 @@ _TEXT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
               "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
               "num_experts_per_tok", "norm_topk_prob", "rms_norm_eps", "rope_theta", "vocab_size",
               "max_position_embeddings")
+SPATIAL_MERGE_SIZE = 2  # Qwen3-Omni's released talker_config value
 _TALKER_KEYS = ("num_code_groups", "thinker_hidden_size", "accept_hidden_layer", "codec_pad_id", "codec_bos_id",
                 "codec_eos_token_id", "codec_nothink_id", "codec_think_bos_id", "codec_think_eos_id")
 _THINKER_IDS = ("tts_pad_token_id", "tts_bos_token_id", "tts_eos_token_id", "im_start_token_id",

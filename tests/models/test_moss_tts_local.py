@@ -322,6 +322,18 @@ def test_checkpoint_round_trip(tmp_path):
     assert torch.equal(sharded.module.audio_lm_heads[3].weight, model.module.audio_lm_heads[3].weight.double())
 
 
+def test_checkpoint_carries_the_tied_text_lm_head(tmp_path):
+    """Upstream's MossTTSLocalModel declares text_lm_head [vocab, hidden] tied to the text
+    embedding; a checkpoint without it is refused by its loader (issue 31, mismatch 4)."""
+    model = make(seed=5)
+    save_checkpoint(model, tmp_path / "ckpt")
+    tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    head = tensors["text_lm_head.weight"]
+    assert tuple(head.shape) == (model.config.vocab_size, model.config.hidden_size)
+    assert torch.equal(head, tensors["transformer.embed_tokens.weight"])
+    load_checkpoint(tmp_path / "ckpt")  # still loads (the head is tied, never read)
+
+
 def test_checkpoint_errors_name_keys(tmp_path):
     model = make()
     save_checkpoint(model, tmp_path)

@@ -541,3 +541,20 @@ def test_engine_feed_timing_does_not_change_frames():
         assert plain_end[rid].reason.name == "EOS" and slow_end[rid].reason.name == "EOS"
         assert len(text) <= plain[rid].shape[0] <= len(text) + 1
         assert torch.equal(plain[rid], slow[rid])
+
+
+def test_our_config_json_builds_the_official_talker_class():
+    """Issue 31, mismatch 3: upstream's talker reads talker_config.spatial_merge_size in
+    __init__ (no default), so a config.json without it cannot build the official class."""
+    pytest.importorskip("transformers")
+    try:
+        from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as upstream_config
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as upstream_modeling
+    except ImportError as exc:
+        pytest.skip(f"transformers has no usable qwen3_omni_moe: {exc}")
+    data = json.loads(json.dumps(tiny_config().to_hf_dict()))  # exactly what config.json holds
+    talker = upstream_config.Qwen3OmniMoeTalkerConfig(**data["talker_config"])
+    with torch.device("meta"):
+        model = upstream_modeling.Qwen3OmniMoeTalkerForConditionalGeneration(talker)
+    assert model.spatial_merge_size == 2
+    assert model.config.text_config.hidden_size == tiny_config().hidden_size
