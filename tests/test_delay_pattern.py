@@ -47,7 +47,8 @@ def test_engine_constraints_equal_the_per_row_restatement(rows, seed):
         batch = [r for r in rows if r[0] == q]
         index = torch.tensor([len(f) for _, f, _ in batch])
         last = torch.tensor([list(f[-1]) if f else [0] * q for _, f, _ in batch], dtype=torch.int64)
-        delay = DelayRows(PATTERN, index, last)
+        before = torch.tensor([list(f[-2]) if len(f) > 1 else [0] * q for _, f, _ in batch], dtype=torch.int64)
+        delay = DelayRows(PATTERN, index, last, before)
         logits = torch.randn(len(batch), 8, generator=g, dtype=torch.float64)
         for codebook in range(q):
             got = delay.apply(logits, codebook)
@@ -94,9 +95,9 @@ REQUESTS = st.builds(
        st.dictionaries(st.integers(0, 40), st.sets(st.sampled_from(["r0", "r1", "r2", "r3"]), max_size=2), max_size=4))
 def test_any_eoc_step_gives_the_exact_ramp_up_and_wind_down(definitions, max_slots, policy, preempt_at):
     """Whatever frame codebook 0 first samples EOC at (forced at eos_at, or sampled), the
-    frames hold BOC in codebook q before frame q, EOC in codebook q from q frames after it,
-    no filler elsewhere, and the request ends eos exactly with the all-EOC frame (or by
-    length before it); batching, chunking and preemption change no frame."""
+    frames hold BOC in codebook q before frame q, EOC in codebook q from q + 1 frames after it,
+    no filler elsewhere, and the request ends eos exactly with the wind-down's last frame (or
+    by length before it); batching, chunking and preemption change no frame."""
     preempt_at = {s: {r for r in rids if int(r[1:]) < len(definitions)} for s, rids in preempt_at.items()}
     frames, ended, _ = _drive(definitions, max_slots, policy, preempt_at)
     for i, d in enumerate(definitions):
@@ -110,6 +111,42 @@ def test_any_eoc_step_gives_the_exact_ramp_up_and_wind_down(definitions, max_slo
         wind_down = SCRIPTED.num_codebooks - 1
         if eoc_at is not None and eoc_at + wind_down < d.max_frames:
             assert ended[rid] is FinishReason.EOS and len(frames[rid]) == eoc_at + wind_down + 1
+
+
+def _upstream_wind_down(num_codebooks: int, frames: list[tuple[int, ...]], eoc: int):
+    """boson-multimodal's `_sample_audio_tokens` delay bookkeeping, restated as a counter over
+    the frames: which codebooks each frame must hold as EOC, and after how many frames the
+    audio ends (None: not ended). Codebook 0's first EOC starts `num_remaining_delays` at
+    Q - 1; each later frame forces codebooks [0, Q - remaining) to EOC, then counts down;
+    the frame that brings it to 0 is the last."""
+    remaining, forced = None, []
+    for f, codes in enumerate(frames):
+        if remaining is not None:
+            forced.append(set(range(num_codebooks - remaining)))
+            remaining -= 1
+        elif codes[0] == eoc:
+            forced.append({0})
+            remaining = num_codebooks - 1
+        else:
+            forced.append(set())
+        if remaining is not None and remaining <= 0:
+            return forced, f + 1
+    return forced, None
+
+
+@pytest.mark.parametrize("eos_at", [0, 2, 3, 6])
+def test_the_wind_down_is_upstreams(eos_at):
+    """Issue 31, mismatch 1: frame e + j holds EOC on codebooks 0..j-1 exactly (e + 1 repeats
+    e's single EOC; the last frame keeps codebook Q-1's real code), and the request ends eos
+    with the frame upstream's countdown ends on."""
+    d = RequestDef(ScriptInputs((5, 6, 7), eos_at=eos_at), max_frames=40, seed=11, cb0=GREEDY, mtp=SamplingParams())
+    run = run_alone(scripted_delay, d)
+    eoc, q = SCRIPTED.delay_pattern.eoc, SCRIPTED.num_codebooks
+    forced, ends = _upstream_wind_down(q, list(run.frames), eoc)
+    assert run.reason is FinishReason.EOS and ends == len(run.frames), (ends, run.frames)
+    for f, codes in enumerate(run.frames):
+        assert {c for c in range(q) if codes[c] == eoc} == forced[f], (f, codes)
+    assert run.frames[-1][q - 1] != eoc
 
 
 def test_preempted_mid_wind_down_resumes_the_same_countdown():

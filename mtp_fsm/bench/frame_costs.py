@@ -34,7 +34,7 @@ def payload_step(keys: torch.Tensor, table_words: torch.Tensor, patch: torch.Ten
 def delay_step(frame_index: torch.Tensor, last: torch.Tensor, logits: list[torch.Tensor]) -> list[torch.Tensor]:
     """The engine's delay-pattern work in one step: the rows' constraints, then every codebook's mask."""
     _, _, pattern = HIGGS
-    rows = DelayRows(pattern, frame_index, last)
+    rows = DelayRows(pattern, frame_index, last, last)  # the frame before last: the same layout
     return [rows.apply(x, q) for q, x in enumerate(logits)]
 
 

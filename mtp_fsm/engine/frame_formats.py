@@ -68,7 +68,8 @@ class DelayPatternFormat(FrameFormat):
         self.publish_facts = {**self.publish_facts, "eoc": self.pattern.eoc}
 
     def begin(self, batch) -> None:
-        self._rows = DelayRows.for_rows(self.pattern, self.table.num_frames, self.table.frame_codes,
+        table = self.table
+        self._rows = DelayRows.for_rows(self.pattern, table.num_frames, table.frame_codes, table.frame_log,
                                         batch.idx_mapping, self._banned)
 
     def cb0_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ class DevicePipeline:
         self._allowed, self.device = allowed, device
         self.format = frame_format(spec, lifecycle, kernels, table, device_lifecycle, mtp, device)
         self.speculative = speculative  # a SpeculativeStep (lifecycle with a verify loop), else None
+        self._width, self._deferred_order = OUT_CODES + spec.frame_width, lifecycle.deferred
 
     @property
     def positions(self) -> int:
@@ -46,14 +47,14 @@ class DevicePipeline:
         return 1 if self.speculative is None else self.speculative.positions
 
     def run(self, batch: StepBatch) -> torch.Tensor:
-        width = OUT_CODES + self.spec.frame_width
+        width = self._width
         if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
             packed = torch.zeros(batch.num_rows * self.positions, width, dtype=torch.int64, device=self.device)
         elif self.speculative is not None:
             packed = self.speculative.run(batch)
         else:
             self.format.begin(batch)
-            packed = self._deferred(batch) if self.lifecycle.deferred else self._current_step(batch)
+            packed = self._deferred(batch) if self._deferred_order else self._current_step(batch)
         # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
         # this step still surfaces in the same copy.
         sticky = self.table.error[: self.table.max_slots].amax().to(torch.int64).view(1, 1)

@@ -260,13 +260,15 @@ def mtp_scatter(
     record(table, slot, result, mtp_faults)
 
 
-def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, eoc: int | None) -> dict:
-    """RAMP_DONE, EOC_FRAME and ALL_EOC of the frames rows publish (none without a delay pattern)."""
+def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, previous: torch.Tensor, eoc: int | None) -> dict:
+    """RAMP_DONE, EOC_FRAME and WIND_DONE of the frames rows publish after `previous` (each
+    row's last published frame; none without a delay pattern)."""
     if eoc is None:
         return {}
-    is_eoc = codes == eoc
-    return {Predicate.RAMP_DONE: frame_index >= codes.shape[1] - 2, Predicate.EOC_FRAME: is_eoc[:, 0],
-            Predicate.ALL_EOC: is_eoc.all(dim=1)}
+    is_eoc, q = codes == eoc, codes.shape[1]
+    winding = (previous[:, 0] == eoc) & (frame_index > 0) if q > 1 else torch.ones_like(is_eoc[:, 0])
+    return {Predicate.RAMP_DONE: frame_index >= q - 2, Predicate.EOC_FRAME: is_eoc[:, 0],
+            Predicate.WIND_DONE: is_eoc[:, 0] & winding & is_eoc[:, : q - 1].all(dim=1)}
 
 
 def publish_frames(
@@ -286,7 +288,8 @@ def publish_frames(
     owned = owned_rows(table, batch)
     frame_index = at(table.num_frames, slot)
     computed, max_frames = at(table.num_computed, slot), at(table.max_frames, slot)
-    frame_facts = delay_facts(frame_index, codes, eoc)
+    last_codes = at(table.frame_codes, slot)
+    frame_facts = delay_facts(frame_index, codes, last_codes, eoc)
     if eos is not None:
         frame_facts[Predicate.EOS_FRAME] = codes[:, 0] == const(eos, codes.dtype, device)
     if accepted is not None:
@@ -302,7 +305,7 @@ def publish_frames(
     ready = result.published
     num_frames = frame_index + ready
     ready_rows = ready[:, None]
-    put(table.frame_codes, slot, torch.where(ready_rows, codes, at(table.frame_codes, slot)))
+    put(table.frame_codes, slot, torch.where(ready_rows, codes, last_codes))
     log_at = frame_index.clamp(max=table.max_context - 1)
     table.frame_log[slot, log_at] = torch.where(ready_rows, codes, table.frame_log[slot, log_at])
     put(table.frame_embed, slot, torch.where(ready_rows, frame_embeds.to(table.frame_embed.dtype),

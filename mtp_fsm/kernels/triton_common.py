@@ -46,7 +46,7 @@ B_LENGTH_REACHED = tl.constexpr(int(Predicate.LENGTH_REACHED))
 B_MTP_STOP = tl.constexpr(int(Predicate.MTP_STOP))
 B_RAMP_DONE = tl.constexpr(int(Predicate.RAMP_DONE))
 B_EOC_FRAME = tl.constexpr(int(Predicate.EOC_FRAME))
-B_ALL_EOC = tl.constexpr(int(Predicate.ALL_EOC))
+B_WIND_DONE = tl.constexpr(int(Predicate.WIND_DONE))
 B_EOS_FRAME = tl.constexpr(int(Predicate.EOS_FRAME))
 B_DRAFT_ACCEPTED = tl.constexpr(int(Predicate.DRAFT_ACCEPTED))
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
-    B_ALL_EOC, B_CB0_FAULT, B_EOC_FRAME, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE,
+    B_WIND_DONE, B_CB0_FAULT, B_EOC_FRAME, B_EOS_SAMPLED, B_LENGTH_REACHED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE,
     B_EOS_FRAME, B_RAMP_DONE, B_DRAFT_ACCEPTED, C_IN_STEP, C_LIVE, C_VACANT,
     E_IDENTITY, E_ILLEGAL, E_SPAN, O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE,
     O_VALID,
@@ -315,10 +315,13 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     codes = tl.load(codes_ptr + (row64 * codes_s0)[:, None] + (q * codes_s1)[None, :], mask=qm, other=0)
     cb0 = tl.load(codes_ptr + row64 * codes_s0, mask=rm, other=0)
     frame_word = tl.zeros_like(state)
-    if DELAY:  # reference.delay_facts: the frame's own facts, the same for every stage
-        all_eoc = tl.sum(((codes == EOC) & qm).to(tl.int32), axis=1) == Q
+    if DELAY:  # reference.delay_facts: the frame's facts (after the last published one), the same for every stage
+        previous0 = tl.load(fcodes_ptr + slot * Q, mask=rm, other=0)
+        winding = ((previous0 == EOC) & (frame_index > 0)) | (Q == 1)
+        lead = tl.sum(((codes == EOC) & qm & (q < Q - 1)[None, :]).to(tl.int32), axis=1) == Q - 1
+        wind_done = (cb0 == EOC) & winding & lead
         frame_word = (predicate_bit(frame_index >= Q - 2, B_RAMP_DONE) | predicate_bit(cb0 == EOC, B_EOC_FRAME)
-                      | predicate_bit(all_eoc, B_ALL_EOC))
+                      | predicate_bit(wind_done, B_WIND_DONE))
     if EOS_FRAME:  # the stop head's: the frame's CB0 is the EOS id
         frame_word = frame_word | predicate_bit(cb0 == EOS, B_EOS_FRAME)
     if ACCEPTED:  # speculative: the verify position's draft matched (computed by the caller)

@@ -37,7 +37,9 @@ class Predicate(enum.IntEnum):
     # this step publishes:
     RAMP_DONE = 6  # its index is >= Q - 2: the frame after it has every codebook live
     EOC_FRAME = 7  # its codebook 0 is EOC (the wind-down started at or before it)
-    ALL_EOC = 8  # every codebook is EOC: the wind-down is complete
+    # The wind-down's last frame (upstream Higgs / boson-multimodal): codebooks 0..Q-2 are EOC
+    # (codebook Q-1 keeps its last real code) and the frame before it had EOC on codebook 0.
+    WIND_DONE = 8
     # Stop head (VoxCPM2): the frame this step publishes carries CB0 == the model's EOS id.
     EOS_FRAME = 9
     # Speculative: the token the target sampled at this verify position equals the draft
@@ -63,7 +65,7 @@ PREDICATE_PHASE: dict[Predicate, Phase] = {
     Predicate.MTP_STOP: Phase.MTP,
     Predicate.RAMP_DONE: Phase.PUBLISH,
     Predicate.EOC_FRAME: Phase.PUBLISH,
-    Predicate.ALL_EOC: Phase.PUBLISH,
+    Predicate.WIND_DONE: Phase.PUBLISH,
     Predicate.EOS_FRAME: Phase.PUBLISH,
     Predicate.DRAFT_ACCEPTED: Phase.PUBLISH,
 }
@@ -155,10 +157,14 @@ def eos_frame(codes, eos: int | None) -> bool:
     return eos is not None and len(codes) > 0 and int(codes[0]) == eos
 
 
-def delay_facts(frame_index: int, codes, num_codebooks: int, eoc: int | None) -> dict[Predicate, bool]:
-    """RAMP_DONE, EOC_FRAME and ALL_EOC for one row publishing frame `frame_index` with
-    `codes` (a sequence of Q ints); all false for a model without a delay pattern (eoc None)."""
+def delay_facts(frame_index: int, codes, num_codebooks: int, eoc: int | None,
+                previous=None) -> dict[Predicate, bool]:
+    """RAMP_DONE, EOC_FRAME and WIND_DONE for one row publishing frame `frame_index` with
+    `codes` (a sequence of Q ints) after the frame `previous` (None before the first); all
+    false for a model without a delay pattern (eoc None)."""
     if eoc is None:
-        return {Predicate.RAMP_DONE: False, Predicate.EOC_FRAME: False, Predicate.ALL_EOC: False}
+        return {Predicate.RAMP_DONE: False, Predicate.EOC_FRAME: False, Predicate.WIND_DONE: False}
+    winding = num_codebooks == 1 or (previous is not None and int(previous[0]) == eoc)
     return {Predicate.RAMP_DONE: frame_index >= num_codebooks - 2, Predicate.EOC_FRAME: int(codes[0]) == eoc,
-            Predicate.ALL_EOC: all(int(c) == eoc for c in codes)}
+            Predicate.WIND_DONE: int(codes[0]) == eoc and winding
+            and all(int(c) == eoc for c in list(codes)[: num_codebooks - 1])}

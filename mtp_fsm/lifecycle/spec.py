@@ -56,7 +56,7 @@ class Trigger(enum.IntEnum):
     FEED = 16  # host: the missing conditioning row arrived (or the feed finished)
     RAMP = 17  # delay pattern: a ramp-up frame was published (the next one still ramps)
     WIND = 18  # delay pattern: a frame whose codebook 0 is EOC was published (wind-down)
-    WOUND_DOWN = 19  # delay pattern: the all-EOC frame that ends the wind-down was published: reason eos
+    WOUND_DOWN = 19  # delay pattern: the wind-down's last frame was published: reason eos
     LAST_FRAME = 20  # stop head: the published frame's CB0 was the stop (EOS) class: it was the last, reason eos
     ACCEPT = 21  # speculative: the target's token equals the draft: published, the next position is verified
     BONUS = 22  # speculative: the target's token where the draft missed (or after the last draft): published, settles

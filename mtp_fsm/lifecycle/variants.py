@@ -159,9 +159,11 @@ def delay_pattern_lifecycle() -> LifecycleSpec:
     a published frame leads is decided by the frame itself (its index, its EOC codes).
 
     Every frame is published, fillers included; codebook 0's EOC does not end the request,
-    the all-EOC frame Q-1 frames later does (reason eos). The MTP stage is the fused head's
+    the frame Q-1 frames later does (reason eos): as upstream (boson-multimodal's
+    `_sample_audio_tokens`, vllm-omni's Higgs v3), wind-down frame e + j holds EOC on
+    codebooks 0..j-1, so the last one, e + Q - 1, keeps codebook Q-1's real code. The MTP stage is the fused head's
     codebooks 1..Q-1 (sampled from the same hidden state, no extra forward)."""
-    ramp, wind, done, eoc, full = _S.RAMP_UP, _S.WIND_DOWN, "ramp_done", "eoc_frame", "all_eoc"
+    ramp, wind, done, eoc, full = _S.RAMP_UP, _S.WIND_DOWN, "ramp_done", "eoc_frame", "wind_done"
     live, decoding = (*_LIVE, ramp, wind), (_S.DECODING, ramp, wind)
     bad = "cb0_fault"
     transitions = [

@@ -9,16 +9,17 @@ from ..model_api import DelayPattern
 def delay_pattern_problems(frames, pattern: DelayPattern, reason: FinishReason | None = None) -> list[str]:
     """What is wrong with `frames` (sequences of Q ints, in order) under `pattern`: codebook q
     runs q frames behind codebook 0, so it holds BOC before frame q, and, when codebook 0
-    first holds EOC at frame e, EOC from frame e + q on; elsewhere no filler (EOC only on
-    codebook 0, at e). A request ending with reason eos ends with the frame e + Q - 1, the
-    first all-EOC one; nothing follows that frame."""
+    first holds EOC at frame e, EOC from frame e + q + 1 on (codebook 0 from e; upstream's
+    wind-down, in which the last frame keeps codebook Q-1's code); elsewhere no filler (EOC
+    only on codebook 0, at e). A request ending with reason eos ends with the frame
+    e + Q - 1; nothing follows that frame."""
     problems: list[str] = []
     eoc_at = next((f for f, codes in enumerate(frames) if codes[0] == pattern.eoc), None)
     for f, codes in enumerate(frames):
         for q, code in enumerate(codes):
             if q > f:
                 want = pattern.boc
-            elif eoc_at is not None and q <= f - eoc_at:
+            elif eoc_at is not None and (f > eoc_at + q or (q == 0 and f == eoc_at)):
                 want = pattern.eoc
             else:
                 want = None

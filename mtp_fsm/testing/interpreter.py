@@ -62,13 +62,16 @@ def delay_pattern_row(logits: torch.Tensor, pattern: DelayPattern | None, frames
                       codebook: int) -> torch.Tensor:
     """One row's logits for `codebook` of the next frame under the delay pattern, restated
     from its definition (model_api.DelayPattern): which id the codebook must take, if any,
-    given how many frames were published and the last of them; else BOC and (beyond
-    codebook 0) EOC are out."""
+    given how many frames were published and the last two of them; else BOC and (beyond
+    codebook 0) EOC are out. The wind-down is upstream's counter (boson-multimodal): codebook 0
+    first EOC at frame e, then frame e + j locks codebooks 0..j-1 to EOC."""
     if pattern is None:
         return logits
     last = frames[-1] if frames else None
-    depth = sum(c == pattern.eoc for c in last) if last is not None and last[0] == pattern.eoc else 0
-    must = pattern.eoc if 0 < depth and codebook <= depth else pattern.boc if codebook > len(frames) else None
+    count = sum(c == pattern.eoc for c in last) if last is not None and last[0] == pattern.eoc else 0
+    started_before = len(frames) >= 2 and frames[-2][0] == pattern.eoc  # the last frame was not e itself
+    locked = count + started_before if count else 0
+    must = pattern.eoc if codebook < locked else pattern.boc if codebook > len(frames) else None
     out = logits.clone()
     for token in range(out.shape[0]):
         if must is not None:
@@ -283,7 +286,8 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
             eoc = None if spec.delay_pattern is None else spec.delay_pattern.eoc
             return {Predicate.LENGTH_REACHED: length_reached(published, d.max_frames, computed, spec.max_context),
                     Predicate.EOS_FRAME: eos_frame(codes[0].tolist(), spec.eos_token_id),
-                    **delay_facts(len(frames), codes[0].tolist(), spec.num_codebooks, eoc)}
+                    **delay_facts(len(frames), codes[0].tolist(), spec.num_codebooks, eoc,
+                                  frames[-1] if frames else None)}
 
         if any(e.publishes for e in walk.phase(Phase.PUBLISH, publish_facts)):
             frames.append(tuple(int(c) for c in codes[0]))

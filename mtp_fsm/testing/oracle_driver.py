@@ -281,8 +281,9 @@ class OracleDriver:
         pattern, alone = self.spec.delay_pattern, self._alone(r).frames
         codes = alone[r.num_frames] if r.num_frames < len(alone) else ()
         eoc = None if pattern is None or not codes else pattern.eoc
+        previous = alone[r.num_frames - 1] if 0 < r.num_frames <= len(alone) else None
         return {Predicate.EOS_FRAME: eos_frame(codes, self.spec.eos_token_id),
-                **delay_facts(r.num_frames, codes, self.spec.num_codebooks, eoc)}
+                **delay_facts(r.num_frames, codes, self.spec.num_codebooks, eoc, previous)}
 
     def _publishes(self, edge) -> bool:
         return self.lifecycle.transition(*edge).publishes

@@ -134,8 +134,10 @@ def _results(sweep: dict) -> dict:
 
 def test_targets_are_computed_from_the_measurements():
     good = {
-        1: _row(1, {"floor": [2.0, 2.0], "engine": [2.5, 2.5], "transitions": [3.0, 3.0], "dict_loop": [2.6, 2.6]}),
+        1: _row(1, {"floor": [2.0, 2.0], "engine": [2.2, 2.2], "transitions": [3.0, 3.0], "dict_loop": [2.6, 2.6]}),
         8: _row(8, {"floor": [5.0, 5.0], "engine": [5.5, 5.5], "transitions": [9.0, 9.0], "dict_loop": [6.0, 6.0]}),
+        64: _row(64, {"floor": [40.0, 40.0], "engine": [42.0, 42.0], "transitions": [50.0, 50.0],
+                      "dict_loop": [45.0, 45.0]}),
         256: _row(256, {"floor": [100.0, 100.0], "engine": [101.0, 101.0], "transitions": [130.0, 130.0],
                         "dict_loop": [110.0, 110.0]}),
         1024: _row(1024, {"floor": [400.0, 400.0], "engine": [400.8, 400.8], "transitions": [520.0, 520.0],
@@ -144,10 +146,10 @@ def test_targets_are_computed_from_the_measurements():
     targets = evaluate_targets(_results(good))
     assert len(targets) == 4 and all(set(t) >= {"name", "measured", "target", "met"} for t in targets)
     assert [t["met"] for t in targets] == [True, True, True, True], targets
-    assert targets[0]["measured"] == pytest.approx({"1": 1.25, "256": 1.01, "1024": 1.002})
+    assert targets[0]["measured"] == pytest.approx({"1": 1.1, "64": 1.05, "256": 1.01, "1024": 1.002})
     assert targets[1]["measured"] == pytest.approx(30.0)  # 30 ms / 1 ms
     assert targets[2]["measured"] == pytest.approx(0.8 / 0.5)
-    assert targets[3]["measured"] == pytest.approx(2.5 / 2.6)
+    assert targets[3]["measured"] == pytest.approx(2.2 / 2.6)
 
     bad = dict(good)
     bad[1] = _row(1, {"floor": [2.0, 2.0], "engine": [4.0, 4.0], "transitions": [3.0, 3.0], "dict_loop": [2.6, 2.6]})

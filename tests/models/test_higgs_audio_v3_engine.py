@@ -1,5 +1,5 @@
 """Higgs Audio v3 in the engine: every published frame set shows the exact delay pattern
-(ramp-up, EOC wind-down, nothing after the all-EOC frame), and unsupported sampling is
+(ramp-up, EOC wind-down, nothing after the wind-down's last frame), and unsupported sampling is
 refused at admission by name. Batched == alone and preemption are tests/models/test_zoo.py's."""
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def test_vllms_default_process_layout_spawned_engine_core_and_worker(checkpoint)
 
 @pytest.mark.parametrize("name", ["higgs_audio_v3", "voxcpm2"])
 def test_talkers_that_publish_their_stop_frame_under_vllm(name):
-    """Higgs Audio v3 (delay pattern: the all-EOC frame ends) and VoxCPM2 (stop head: the stop
+    """Higgs Audio v3 (delay pattern: the wind-down's last frame ends) and VoxCPM2 (stop head: the stop
     patch is published) end a request in the step that publishes its last frame; vLLM gets
     the stop id for it, and frames (payload bits included) equal the embedded loop's."""
     import importlib
