@@ -188,7 +188,21 @@ def update_readme(path: str, results: dict) -> bool:
         from .speculative import speculative_table
 
         body += "\n\n" + speculative_table(results["speculative"])
+    if results.get("audio"):
+        body += "\n\n" + audio_section(results["audio"])
     return replace_marked_block(path, README_BEGIN, README_END, body)
+
+
+def audio_section(rows: list[dict]) -> str:
+    """The speech-out table (`bench/audio.py`) and its target: frames/s with audio on >= 0.9x off."""
+    from .audio import markdown_rows
+
+    worst = min(r["ratio"] for r in rows)
+    verdict = "met" if worst >= 0.9 else "missed"
+    return ("Speech out (`bench/audio.py`): 16 concurrent requests on 16 slots, tiny talkers and their tiny "
+            "decoders, audio off and on interleaved, medians; first audio from arrival.\n\n"
+            + markdown_rows(rows) + f"\n\n- engine frames/s audio on / off ≥ 0.9 at 16 requests: **{verdict}** "
+            f"(lowest {worst:.3f})")
 
 
 def _engine_counts_table(counts: dict) -> str:
@@ -329,6 +343,8 @@ def markdown_report(results: dict) -> str:
         from .speculative import speculative_table
 
         out += ["", "## Speculative decoding (tiny MTP LM)", "", speculative_table(results["speculative"])]
+    if results.get("audio"):
+        out += ["", "## Speech out", "", audio_section(results["audio"])]
     e2e = results.get("e2e")
     if e2e:
         out += ["", f"## End to end: tiny Qwen3-TTS ({e2e['dtype']}, max {e2e['max_frames']} frames, {e2e['sampling']})",

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the clock of overheads, ratios and targets (both are recorded): cpu = the step thread's CPU "
                              "time, immune to other processes taking the core on a shared machine")
     parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e (the sweep's per-design "
+                        help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e,audio (the sweep's per-design "
                              "op counts: step_counts; the compiled engine design: compiled)")
     parser.add_argument("--models", default="",
                         help="comma list of talkers for the per-model step (short names or 'pkg.module:factory'; "
@@ -324,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
 
             log("end to end (tiny Qwen3-TTS):")
             results["e2e"] = bench_e2e(E2E_CONCURRENCY, max_frames=args.e2e_max_frames, import_path=args.e2e_model, log=log)
+        if "audio" not in skip:
+            from .audio import AUDIO_MODELS, bench_audio
+
+            log("speech out: engine frames/s with the codec decoder on and off, 16 requests:")
+            results["audio"] = [bench_audio(m, requests=16, max_slots=16, repeats=3, out=log) for m in AUDIO_MODELS]
         results["wall_s"] = time.perf_counter() - started
         results["machine"]["loadavg_end"] = _loadavg()
         os.makedirs(args.out_dir, exist_ok=True)

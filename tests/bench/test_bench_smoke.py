@@ -208,3 +208,14 @@ def test_speculative_bench_runs_every_k_on_the_same_frames_and_renders():
     assert 0.0 <= greedy[2]["acceptance"] <= 1.0 and greedy[2]["frames_per_verify_row"] >= 1.0
     table = speculative_table(section)
     assert "| greedy | 2 |" in table and "| sampled | 0 |" in table
+
+
+def test_the_speech_out_section_judges_the_lowest_ratio():
+    from mtp_fsm.bench.report import audio_section
+
+    row = dict(model="qwen3_tts", frames_per_s_off=100.0, frames_per_s_on=95.0, ratio=0.95, first_audio_ms_p50=10.0,
+               first_audio_ms_p95=12.0, decoder_rtf=0.02, stream_rtf_p50=1.1)
+    assert "**met** (lowest 0.950)" in audio_section([row])
+    slow = dict(row, model="higgs_audio_v3", frames_per_s_on=80.0, ratio=0.8)
+    text = audio_section([row, slow])
+    assert "**missed** (lowest 0.800)" in text and "| higgs_audio_v3 | 100.0 | 80.0 | 0.800 |" in text

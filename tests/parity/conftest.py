@@ -41,4 +41,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 KINDS = ("prompt embeds", "trailing text padding", "trailing text", "CB0 logits", "code-predictor logits",
-         "greedy", "weights")
+         "greedy", "weights", "codec")
