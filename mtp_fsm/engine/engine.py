@@ -391,7 +391,8 @@ class LockstepEngine:
 
     def _build_output(self, host: HostStep, packed_np: np.ndarray) -> StepOutput:
         per_row = self._pipeline.positions
-        if packed_np[-1, OUT_ERROR] or packed_np[:-1:per_row, OUT_ERROR][~host.padding_np].any():
+        # The trailing row holds the sticky error bits of every slot (the rows' slots included).
+        if packed_np[-1, OUT_ERROR]:
             bad = np.flatnonzero(self.table.error[: self.table.max_slots].cpu().numpy())
             owners = {r.slot: rid for rid, r in self.ledger.all_records() if r.slot is not None}
             raise EngineInvariantError(

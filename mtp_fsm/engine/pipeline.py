@@ -65,7 +65,7 @@ class DevicePipeline:
         k, table, lc = self.kernels, self.table, self._lc
         inputs, positions, token_slots = k.compose_inputs(table, lc, batch, self._text_step)
         hidden = self._forward(inputs, positions, token_slots)
-        last_hidden = hidden[batch.last_token]
+        last_hidden = hidden if batch.tokens_are_rows else hidden[batch.last_token]
         logits = self.format.cb0_logits(self._cb0_logits(last_hidden))
         cb0 = k.sample_cb0(table, lc, batch, logits, eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
         return last_hidden, cb0

@@ -176,9 +176,9 @@ def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: 
     live = owned & in_class(lc, state, CLASS_LIVE)
     computed = at(table.num_computed, slot) + torch.where(live, batch.num_scheduled, const(0, torch.int64, device))
     bad = fault != const(0, fault.dtype, device)
-    eos = tokens == const(eos_token_id, tokens.dtype, device) if eos_token_id is not None else torch.zeros_like(bad)
-    facts = {Predicate.PROMPT_DONE: computed >= at(table.prompt_len, slot), Predicate.CB0_FAULT: bad,
-             Predicate.EOS_SAMPLED: eos}
+    facts = {Predicate.PROMPT_DONE: computed >= at(table.prompt_len, slot), Predicate.CB0_FAULT: bad}
+    if eos_token_id is not None:  # a predicate left out of the facts reads false
+        facts[Predicate.EOS_SAMPLED] = tokens == const(eos_token_id, tokens.dtype, device)
     result = run_phase(lc, Phase.SAMPLE, state, owned, facts)
     put(table.num_computed, slot, computed)
     record(table, slot, result, fault)  # codebook 0: the word is the kind
@@ -254,8 +254,9 @@ def mtp_scatter(
     last: the step's final stage (speculative: the drafter), which flags rows left in-step."""
     slot, device = batch.idx_mapping, batch.idx_mapping.device
     owned = owned_rows(table, batch)
-    facts = {Predicate.MTP_FAULT: mtp_faults != const(0, mtp_faults.dtype, device),
-             Predicate.MTP_STOP: torch.zeros_like(owned) if mtp_stop is None else mtp_stop.to(torch.bool)}
+    facts = {Predicate.MTP_FAULT: mtp_faults != const(0, mtp_faults.dtype, device)}
+    if mtp_stop is not None:  # a predicate left out of the facts reads false
+        facts[Predicate.MTP_STOP] = mtp_stop.to(torch.bool)
     result = run_phase(lc, Phase.MTP, at(table.state, slot), owned, facts, last=last)
     record(table, slot, result, mtp_faults)
 

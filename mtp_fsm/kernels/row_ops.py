@@ -9,7 +9,6 @@ op), which measured about half the cost of each such op on the CPU.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -27,11 +26,19 @@ class PhaseResult(NamedTuple):
     stuck: torch.Tensor  # bool: a total stage moved nothing, or the row rests in an in-step state
 
 
-@functools.lru_cache(maxsize=None)
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
 def const(value: int | float | bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A constant operand as a cached 0-dim device tensor (made before any graph capture: the
-    engine's warm-up step runs every stage)."""
-    return torch.tensor(value, dtype=dtype, device=device)
+    engine's warm-up step runs every stage). Under torch.compile a graph constant instead."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(value, dtype=dtype, device=device)
+    key = (value, dtype, device)
+    cached = _CONSTANTS.get(key)
+    if cached is None:
+        cached = _CONSTANTS[key] = torch.tensor(value, dtype=dtype, device=device)
+    return cached
 
 
 def at(column: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -58,7 +65,7 @@ def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: tor
               *, last: bool = False) -> PhaseResult:
     """Every stage of `phase` over every row: one lookup of the phase's folded outcome
     (`lifecycle.phase_fold`) at (state, owned, predicate word). facts: the phase's predicate
-    masks; after_publish: the publish-sensitive predicates' values once a stage has published
+    masks (one left out reads false); after_publish: the publish-sensitive predicates' values once a stage has published
     the row's frame (a later stage sees the frame counted); last: the phase ends the step, so
     a row resting in an in-step state is stuck. A publish-sensitive predicate without an
     after-publish value keeps its value through the phase."""
