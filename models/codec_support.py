@@ -1,17 +1,18 @@
-"""What the talkers' codec decoders share: seeded construction, code checks, final-window padding, loading by name."""
+"""What the talkers' codec decoders share: seeded construction, code checks, final-window padding, loading by name, refusals."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch
 from torch import nn
 
 from models.module_init import seeded_normal
 from models.safetensors_files import CheckpointError, load_by_name, weight_files
+from mtp_fsm.serving.codec import CodecUnavailableError
 
 
 @contextlib.contextmanager
@@ -93,3 +94,13 @@ def load_module(module: nn.Module, directory: str | Path, *, prefixes: tuple[str
         return not key.startswith(prefix) or key.startswith(skip_prefixes)
 
     load_by_name(params, directory, files, dtype, skip=skip, noun="decoder tensors")
+
+
+def refusing_decoder(talker: str, missing: str) -> Callable[..., NoReturn]:
+    """The decoder factory of a talker without audio output: every call (tiny or by checkpoint)
+    raises CodecUnavailableError naming the talker and what is missing."""
+    def refuse(*_: object, **__: object) -> NoReturn:
+        raise CodecUnavailableError(talker, missing)
+
+    refuse.__doc__ = f"Refuses: {talker} has no codec decoder here ({missing})."
+    return refuse

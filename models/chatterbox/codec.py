@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from mtp_fsm.serving.codec import CodecUnavailableError
+from models.codec_support import refusing_decoder
 
 MISSING = ("its decoder, S3Gen S3Token2Wav (chatterbox-tts 0.1.7), pins torch 2.6 (this project runs torch 2.13) "
            "and exists only at full size (263M parameters, a flow-matching vocoder, no size knobs): it needs a "
            "side environment of its own, not built here; its speech tokens are served as codes only")
 
 
-def tiny_demo_decoder(seed: int = 0, **_: object):
-    """Refuses: see MISSING."""
-    raise CodecUnavailableError("chatterbox", MISSING)
-
-
-load_decoder = tiny_demo_decoder
+tiny_demo_decoder = load_decoder = refusing_decoder("chatterbox", MISSING)
