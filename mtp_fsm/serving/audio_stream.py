@@ -84,6 +84,8 @@ class AudioStream:
     worker_nice (Linux): the worker thread's nice increment, for a CPU too busy for both: the step
     loop then wins the CPU and first audio waits (measured on 1 free core: x1.00 engine frames/s
     at nice 15 but first audio 1.5 s, x0.94 and 0.27 s at nice 0).
+    on_error(request_id, message): called (from the worker thread) when a request's audio fails; no
+    final chunk follows for it, so a consumer waiting for one (an HTTP stream) learns it here.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class AudioStream:
         clock: Callable[[], float] = time.perf_counter,
         max_finished: int = DEFAULT_MAX_FINISHED,
         worker_nice: int | None = None,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self.decoder, self.timing = decoder, DecoderTiming.of(decoder)
         if first_chunk is None:
@@ -106,6 +109,7 @@ class AudioStream:
         if type(queue_depth) is not int or queue_depth < 1:
             raise ValueError(f"queue_depth must be an int >= 1, got {queue_depth!r}")
         self.on_audio, self.clock, self.max_finished, self.worker_nice = on_audio, clock, max_finished, worker_nice
+        self.on_error = on_error
         self.chunker = ChunkingSink(self._submit, first_chunk, chunk, self.timing.left_context_frames,
                                     num_codebooks=frame_width)
         self.stats: OrderedDict[str, AudioStats] = OrderedDict()
@@ -299,6 +303,11 @@ class AudioStream:
         self._emitters.pop(rid, None)
         stats = self._stats_for(rid)
         stats.error, stats.finished = str(error), True
+        if self.on_error is not None:
+            try:
+                self.on_error(rid, str(error))
+            except Exception:  # the worker must survive a failing consumer
+                log.exception("audio worker: on_error failed for request %r", rid)
 
     def _stats_for(self, rid: str) -> AudioStats:
         stats = self.stats.get(rid)

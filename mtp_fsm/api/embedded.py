@@ -1,0 +1,172 @@
+"""EmbeddedBackend: the built-in ServingLoop stepping on its own thread behind the speech API (no vLLM)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from ..engine import LockstepEngine
+from ..engine.plan import FinishedRequest, FrameBatch
+from ..errors import MtpFsmError
+from ..lifecycle import FinishReason
+from ..serving.codec import CodecDecoder
+from ..serving.model_loader import LoadedTalker
+from ..serving.runner import ServingLoop
+from .errors import ApiError
+from .inputs import build_request, refusal
+from .jobs import EndEvent, JobRouter, SpeechJob
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on its command queue before looking again
+
+
+class _Admission:
+    """The engine-side sink that catches the rejection of the request being submitted (ServingLoop reports
+    a refused request as finished with reason error before `submit` returns False)."""
+
+    def __init__(self) -> None:
+        self.submitting: str | None = None
+        self.detail: str | None = None
+
+    def on_frames(self, step: int, frames: FrameBatch) -> None:
+        pass
+
+    def on_finished(self, step: int, finished: FinishedRequest) -> None:
+        if finished.request_id == self.submitting:
+            self.detail = finished.detail or "refused"
+
+
+class EmbeddedBackend:
+    """One LockstepEngine under the built-in policy, stepped by one thread that owns it (and the
+    ServingLoop): the event loop hands it submissions and aborts through a queue, and gets frames,
+    PCM and ends back through each job's queue (JobRouter). Nothing else touches the engine.
+
+    A request the talker refuses at admission (an unknown speaker, ...) is refused alone with 400; a
+    model fault ends only the requests of the failing step or row (the engine's guarantee), each with
+    a 500; an engine invariant failure stops the thread, fails every request in flight and turns
+    /health to 503 (a broken engine must not keep serving wrong frames)."""
+
+    def __init__(self, talker: LoadedTalker, engine: LockstepEngine, decoder: CodecDecoder | None, *,
+                 audio_threaded: bool = True) -> None:
+        self.talker, self.engine = talker, engine
+        self.talker_name = talker.name
+        self.router = JobRouter(decoder, engine.spec.frame_width, threaded=audio_threaded)
+        self._admission = _Admission()
+        # The admission sink sits before the router: a refused request's report is caught first.
+        self.loop = ServingLoop(engine, sinks=(self._admission, self.router))
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._failure: str | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mtp-fsm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def sample_rate(self) -> int | None:
+        return self.router.sample_rate
+
+    @property
+    def metrics(self):
+        """The engine-side ServingMetrics (first frame from engine submit; read from another thread: approximate)."""
+        return self.loop.metrics
+
+    def build(self, speech, request_id: str, *, seed: int, max_frames: int):
+        return build_request(self.talker, speech, request_id, max_frames=max_frames, seed=seed)
+
+    # -- the event loop's side -----------------------------------------------------------
+
+    async def start(self, job: SpeechJob) -> None:
+        """Queue the job for admission; job.accepted says whether the engine took it."""
+        why = self.health()
+        if why is not None:
+            raise ApiError(503, f"the engine is not serving: {why}", reason="engine_down", request_id=job.request_id)
+        self.router.register(job)
+        self._commands.put(("submit", job))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def health(self) -> str | None:
+        """None when serving; else why not."""
+        if self._failure is not None:
+            return self._failure
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        return None
+
+    def close(self) -> None:
+        """Abort what is in flight, stop the thread, close the decoder stage."""
+        if self._thread.is_alive():
+            self._commands.put(("stop", None))
+            self._thread.join()
+        self.router.close()
+        self.engine.close()
+
+    # -- the engine's thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain(block=self.loop.idle)
+                if self._stopped.is_set():
+                    break
+                if not self.loop.idle and self.loop.step() is None:
+                    self._drain(block=True)  # nothing runnable now (a request waits for input)
+        except Exception as exc:  # an engine invariant broke: nothing it says can be trusted now
+            self._failure = f"{type(exc).__name__}: {exc}"
+            log.exception("engine thread failed; every request in flight fails")
+            self._fail_all(self._failure)
+            return
+        self._abort_all("server shutdown")
+
+    def _drain(self, *, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = command
+            if kind == "submit":
+                self._submit(arg)
+            elif kind == "abort":
+                self.loop.abort(arg)
+            else:
+                self._stopped.set()
+                return
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _submit(self, job: SpeechJob) -> None:
+        self._admission.submitting, self._admission.detail = job.request_id, None
+        try:
+            accepted = self.loop.submit(job.request)
+        except MtpFsmError as exc:  # a duplicate id: refused by name, nothing queued
+            accepted, self._admission.detail = False, str(exc)
+        finally:
+            self._admission.submitting = None
+        if accepted:
+            job.settle(None)
+        else:
+            self.router.forget(job.request_id)
+            job.settle(refusal(job.request_id, self._admission.detail or "refused"))
+
+    def _abort_all(self, why: str) -> None:
+        for rid in list(self.engine.requests()):
+            self.loop.abort(rid)
+        deadline = time.monotonic() + 5.0
+        while not self.loop.idle and time.monotonic() < deadline:  # let the aborts be reported
+            if self.loop.step() is None:
+                break
+        self._fail_all(why)
+
+    def _fail_all(self, why: str) -> None:
+        for rid in self.router.ids():
+            job = self.router.job(rid)
+            if job is not None:
+                job.settle(ApiError(503, f"request {rid!r}: {why}", reason="engine_down", request_id=rid))
+                job.push(EndEvent(FinishedRequest(rid, FinishReason.ABORT, 0, why)))
+            self.router.forget(rid)

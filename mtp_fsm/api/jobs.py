@@ -1,0 +1,175 @@
+"""SpeechJob and JobRouter: one HTTP request's event queue, fed from the engine's sink and the decoder's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Callable
+
+import attrs
+import numpy as np
+import torch
+
+from ..engine.plan import FinishedRequest, FrameBatch, NewRequest
+from ..lifecycle import FinishReason
+from ..serving.audio_stream import AudioStream, PcmChunk
+from ..serving.codec import CodecDecoder
+from .schema import SpeechRequest
+
+log = logging.getLogger(__name__)
+
+# Ended by the client or a fault: AudioStream hands out no final chunk for these.
+_DROPPED = frozenset({FinishReason.ABORT, FinishReason.ERROR})
+
+
+@attrs.frozen
+class FramesEvent:
+    first_index: int
+    codes: np.ndarray  # int64 [n, W]
+
+
+@attrs.frozen
+class AudioEvent:
+    samples: np.ndarray  # float32 [n]
+    is_final: bool
+
+
+@attrs.frozen
+class EndEvent:
+    finished: FinishedRequest
+
+
+@attrs.frozen
+class AudioFailedEvent:
+    message: str
+
+
+class SpeechJob:
+    """One accepted HTTP request: its engine request, and an asyncio queue the route reads. Producers
+    (the engine's thread, the decoder's thread, a vLLM poller task) call `push` from any thread."""
+
+    def __init__(self, speech: SpeechRequest, request: NewRequest, arrival: float,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.speech, self.request, self.arrival, self.loop = speech, request, arrival, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = loop.create_future()  # None, or the ApiError refusing it
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def push(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (server shutdown): nobody is listening any more
+            pass
+
+    def settle(self, refusal: Exception | None) -> None:
+        """Accepted (None) or refused (the ApiError), from any thread; the first word counts."""
+        def _set() -> None:
+            if not self.accepted.done():
+                self.accepted.set_result(refusal)
+        try:
+            self.loop.call_soon_threadsafe(_set)
+        except RuntimeError:
+            pass
+
+
+class JobRouter:
+    """A Sink handing each step's frames and ends to their jobs, and the frames of jobs that want audio
+    to an AudioStream (the talker's decoder on its own thread), whose PCM goes to the same jobs.
+
+    Both backends feed it: the embedded one from its engine thread, the vLLM one from the frame poller.
+    A job is forgotten once its stream has ended (its end, plus the final audio chunk for audio)."""
+
+    def __init__(self, decoder: CodecDecoder | None, frame_width: int, *, threaded: bool = True,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.frame_width = frame_width
+        self._jobs: dict[str, SpeechJob] = {}
+        self._lock = threading.Lock()  # the engine's thread, the decoder's thread and the event loop read _jobs
+        self.audio: AudioStream | None = None
+        if decoder is not None:
+            self.audio = AudioStream(decoder, self._on_audio, frame_width=frame_width, threaded=threaded,
+                                     clock=clock, on_error=self._on_audio_error)
+
+    @property
+    def sample_rate(self) -> int | None:
+        return None if self.audio is None else self.audio.timing.sample_rate
+
+    def register(self, job: SpeechJob) -> None:
+        with self._lock:
+            if job.request_id in self._jobs:
+                raise ValueError(f"request {job.request_id!r} is already registered")
+            self._jobs[job.request_id] = job
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._jobs.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._jobs)
+
+    def job(self, request_id: str) -> SpeechJob | None:
+        with self._lock:
+            return self._jobs.get(request_id)
+
+    # -- Sink ----------------------------------------------------------------------------
+
+    def on_frames(self, step: int, frames: FrameBatch) -> None:
+        codes, index = frames.codes.numpy(), frames.frame_index.numpy()
+        audio_rows = []
+        start = 0
+        ids = frames.request_ids
+        while start < len(ids):  # request-major: each request's rows are contiguous
+            end = start
+            while end < len(ids) and ids[end] == ids[start]:
+                end += 1
+            job = self.job(ids[start])
+            if job is not None:
+                job.push(FramesEvent(int(index[start]), codes[start:end].copy()))
+                if job.speech.wants_audio:
+                    audio_rows.extend(range(start, end))
+            start = end
+        if self.audio is not None and audio_rows:
+            if len(audio_rows) < len(ids):  # only the jobs that asked for audio are decoded
+                rows = torch.tensor(audio_rows, dtype=torch.int64)
+                frames = FrameBatch(tuple(ids[i] for i in audio_rows), frames.frame_index[rows], frames.codes[rows],
+                                    None if frames.payload is None else frames.payload[rows])
+            self.audio.on_frames(step, frames)
+
+    def on_finished(self, step: int, finished: FinishedRequest) -> None:
+        job = self.job(finished.request_id)
+        if job is None:
+            return
+        wants_audio = job.speech.wants_audio and self.audio is not None
+        if wants_audio:
+            self.audio.on_finished(step, finished)  # queues the final chunk (eos / length) or drops the rest
+        job.push(EndEvent(finished))
+        if not wants_audio or FinishReason(finished.reason) in _DROPPED:
+            self.forget(finished.request_id)
+
+    # -- the decoder's thread ------------------------------------------------------------
+
+    def _on_audio(self, chunk: PcmChunk) -> None:
+        job = self.job(chunk.request_id)
+        if job is None:
+            return
+        job.push(AudioEvent(chunk.samples.numpy().astype(np.float32, copy=False), chunk.is_final))
+        if chunk.is_final:
+            self.forget(chunk.request_id)
+
+    def _on_audio_error(self, request_id: str, message: str) -> None:
+        job = self.job(request_id)
+        if job is not None:
+            job.push(AudioFailedEvent(message))
+            self.forget(request_id)
+
+    def close(self) -> None:
+        if self.audio is not None:
+            self.audio.close()
