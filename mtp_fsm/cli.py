@@ -1,4 +1,4 @@
-"""The `mtp-fsm` command line: demo (serve a batch of TTS requests), plus the bench and diagrams commands."""
+"""The `mtp-fsm` command line: demo (serve a batch of TTS requests), serve (the online speech API), bench, diagrams."""
 
 from __future__ import annotations
 
@@ -92,8 +92,12 @@ def _os_message(exc: OSError) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from .serving.model_loader import DEFAULT_MODEL
 
+    from .api.server import add_serve_parser, package_version
+
     parser = argparse.ArgumentParser(prog="mtp-fsm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mtp-fsm {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub, positive, seed64)  # the online speech API (mtp_fsm/api/server.py)
     demo = sub.add_parser("demo", help="serve a batch of TTS requests with the tiny random model")
     demo.add_argument("--requests", type=positive, default=16, help="number of requests (texts are cycled)")
     demo.add_argument("--max-slots", type=positive, default=8, help="slot table rows (concurrent requests)")
@@ -170,6 +174,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _user_error("demo", exc)
         except OSError as exc:  # the output folder went away or filled up mid-run
             return _user_error("demo", _os_message(exc))
+    if args.command == "serve":
+        from .api.server import run_serve
+
+        try:
+            return run_serve(args, extra)
+        except (ModelLoadError, MtpFsmError, UsageError, ValueError) as exc:  # bad configuration: say what
+            return _user_error("serve", exc)
     plugin_args = [*extra, *args.args]
     try:
         if args.command == "bench":

@@ -14,18 +14,10 @@ from .embedded import EmbeddedBackend
 from .limits import Limits
 from .metrics import SpeechMetrics
 from .routes import STATE_KEY, speech_router
+from .server import package_version
 from .service import SpeechService
 
 log = logging.getLogger("mtp_fsm.api")
-
-
-def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mtp_fsm")
-    except PackageNotFoundError:  # a source tree that was never installed
-        return "unknown (not installed)"
 
 
 def build_embedded_app(backend: EmbeddedBackend, *, limits: Limits = Limits(), api_keys: Sequence[str] = (),

@@ -98,8 +98,12 @@ async def create_speech(request: Request) -> Response:
         speech = parse_speech_request(await request.body())
         svc.check(speech)
         seed = speech.seed if speech.seed is not None else secrets.randbits(63)
-        new = svc.backend.build(speech, rid, seed=seed, max_frames=svc.limits.frames_for(speech))
         svc.gate.acquire()
+        try:
+            new = svc.backend.build(speech, rid, seed=seed, max_frames=svc.limits.frames_for(speech))
+        except BaseException:
+            svc.gate.release()
+            raise
     except ApiError as exc:
         exc.request_id = exc.request_id or rid
         return error_response(svc, exc)

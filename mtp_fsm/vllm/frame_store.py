@@ -56,10 +56,12 @@ class FrameStore:
     def finish(self, caller: str, finished: FinishedRequest) -> None:
         self._finished.setdefault(caller, attrs.evolve(finished, request_id=caller))
 
-    def take(self) -> list[TakenFrames]:
-        """Every request's frames not taken yet (and its finish, if it ended); clears them."""
+    def take(self, request_ids=None) -> list[TakenFrames]:
+        """Every request's frames not taken yet (and its finish, if it ended); clears them.
+        request_ids: only these requests' (the per-request channel: an API process takes only the
+        requests it owns, so several processes never take each other's frames)."""
         out = []
-        for cid in list(self._next_index):
+        for cid in list(self._next_index) if request_ids is None else [r for r in request_ids if r in self._next_index]:
             pending, finished = self._frames[cid], self._finished.get(cid)
             if not pending and finished is None:
                 continue

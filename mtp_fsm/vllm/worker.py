@@ -105,6 +105,15 @@ class FsmWorker(WorkerBase):
         """Frames and finishes not pulled yet (list[TakenFrames], pickled), then forgotten."""
         return pickle.dumps(self.mapper.frames.take())
 
+    def mtp_fsm_take_frames_for(self, request_ids: list[str]) -> bytes:
+        """The per-request channel: frames and finishes of `request_ids` only (pickled (list[TakenFrames],
+        the ids the store does not hold: never admitted here, or already taken to their end)). Each API
+        process asks for the requests it owns, so no process takes another's frames."""
+        taken = self.mapper.frames.take(request_ids)
+        unknown = [rid for rid in request_ids if not self.mapper.frames.is_open(rid)
+                   and not any(t.request_id == rid for t in taken)]
+        return pickle.dumps((taken, unknown))
+
     def mtp_fsm_metrics(self) -> bytes:
         """The engine-side ServingMetrics (pickled): steps, states, frames, first-frame latency
         measured from admission in the worker (the client's queueing in vLLM is not in it)."""
