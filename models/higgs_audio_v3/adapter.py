@@ -8,7 +8,7 @@ import torch
 
 from models.module_init import materialize, seeded_normal_init
 from models.qwen3_tts.layers import Linear, RMSNorm, rope_tables
-from models.slot_cache import SlotKVCache
+from models.slot_cache import PagedKVCache
 from mtp_fsm.model_api import CodebookSampler, DelayPattern, ModelSpec, PreparedPrompt, TalkerModel
 
 from .config import HiggsAudioV3Config
@@ -25,7 +25,7 @@ _STOP_FRACTION = 0.4
 _EOC_GAIN = 4.0
 
 
-class HiggsAudioV3Talker(SlotKVCache, TalkerModel):
+class HiggsAudioV3Talker(PagedKVCache, TalkerModel):
     """Higgs Audio v3 (Qwen3 backbone, fused 8-codebook audio embedding and tied head)
     driven by the lockstep engine under the `delay_pattern` lifecycle.
 

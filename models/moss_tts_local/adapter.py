@@ -7,7 +7,7 @@ import math
 import torch
 
 from models.module_init import materialize, seeded_normal_init
-from models.slot_cache import SlotKVCache
+from models.slot_cache import PagedKVCache
 from mtp_fsm.model_api import CodebookSampler, ModelSpec, MtpResult, PreparedPrompt, TalkerModel
 from mtp_fsm.sampling import SamplingParams
 from models.qwen3_tts.layers import Linear, RMSNorm, rope_tables
@@ -37,7 +37,7 @@ SCHEDULES = {"current": "mtp_stop", "deferred": "mtp_stop_deferred"}
 STOP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=1.0)
 
 
-class MossTTSLocalTalker(SlotKVCache, TalkerModel):
+class MossTTSLocalTalker(PagedKVCache, TalkerModel):
     """MOSS-TTS Local (Qwen3 backbone + local depth transformer) driven by the lockstep engine.
 
     Engine mapping: `cb0_logits` is the local transformer's codebook-0 head at local

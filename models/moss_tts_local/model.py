@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from mtp_fsm.model_api import CodebookSampler
-from models.qwen3_tts.layers import Attention, DecoderLayer, Linear, RMSNorm
+from models.qwen3_tts.layers import DecoderLayer, Linear, RMSNorm, run_over_slots
 
 from .config import MossTTSLocalConfig
 from .local import FrameCache, LocalTransformer
@@ -28,21 +28,11 @@ class MossBackbone(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]], cos_table: torch.Tensor,
-                sin_table: torch.Tensor) -> torch.Tensor:
-        """x [T, H] flat tokens -> final-normed hidden [T, H], writing each layer's KV cache."""
-        rows, context = cache[0][0].shape[:2]
-        # Padding tokens (slot -1) write and read the scratch row rows-1, never a real slot.
-        write_slot = torch.where(token_slots >= 0, token_slots, torch.full_like(token_slots, rows - 1))
-        pos = positions.clamp(0, context - 1)  # padding may carry any position
-        cos, sin = cos_table[pos], sin_table[pos]
-        mask = torch.arange(context, device=x.device)[None, :] <= pos[:, None]  # [T, C]
-        for layer, (cache_k, cache_v) in zip(self.layers, cache):
-            def attend(attn: Attention, h: torch.Tensor, k=cache_k, v=cache_v) -> torch.Tensor:
-                return attn.forward_cached(h, cos, sin, write_slot, pos, mask, k, v)
-            x = layer(x, attend)
-        return self.norm(x)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor, cache,
+                cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+        """x [T, H] flat tokens -> final-normed hidden [T, H], writing each layer's paged KV
+        (models.slot_cache.PagedKV; padding tokens touch no slot)."""
+        return self.norm(run_over_slots(self.layers, x, positions, token_slots, cache, cos_table, sin_table))
 
 
 class MossTTSLocalRoot(nn.Module):

@@ -6,7 +6,7 @@ import torch
 
 from models.module_init import materialize, seeded_normal_init
 from models.qwen3_tts.layers import Linear, RMSNorm, rope_tables
-from models.slot_cache import SlotKVCache
+from models.slot_cache import PagedKVCache
 from mtp_fsm import invariant
 from mtp_fsm.model_api import DraftChooser, DraftInputs, ModelSpec, PreparedPrompt, TalkerModel
 
@@ -25,7 +25,7 @@ _HEAD_GAIN = 30.0
 _LAYER_GAIN = 0.1
 
 
-class MtpLMTalker(SlotKVCache, TalkerModel):
+class MtpLMTalker(PagedKVCache, TalkerModel):
     """A Qwen3 decoder LM whose frame is one token, driven by the lockstep engine under the
     `single_codebook` lifecycle (forward / cb0_logits / frame_embed) or, with the engine's
     `speculate=k`, the `speculative` one with its MTP layer as the drafter (`draft`); the

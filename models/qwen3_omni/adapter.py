@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.module_init import materialize, seeded_normal_init
-from models.slot_cache import SlotKVCache
+from models.slot_cache import PagedKVCache
 from mtp_fsm import invariant
 from mtp_fsm.model_api import (
     FEED_COUNT,
@@ -33,7 +33,7 @@ _EOS_GAIN = 2.0
 _SHARPNESS, _THRESHOLD = 30.0, 0.5  # detector units: silu(s * (x.r / r.r - t)) fires only for x ~ r
 
 
-class Qwen3OmniTalker(SlotKVCache, TalkerModel):
+class Qwen3OmniTalker(PagedKVCache, TalkerModel):
     """Qwen3-Omni MoE talker + code predictor driven by the lockstep engine ("conditioned" variant).
 
     The text step reads the engine-owned feed columns (FEED_ROWS / FEED_COUNT / FEED_DONE):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.module_init import materialize, seeded_normal_init
-from models.slot_cache import SlotKVCache
+from models.slot_cache import PagedKVCache
 from mtp_fsm import invariant
 from mtp_fsm.model_api import CodebookSampler, ColumnSpec, ModelSpec, PreparedPrompt, TalkerModel
 
@@ -21,7 +21,7 @@ _FLAG_VALUE = 1.0
 _EOS_GAIN = 2.0
 
 
-class Qwen3TTSTalker(SlotKVCache, TalkerModel):
+class Qwen3TTSTalker(PagedKVCache, TalkerModel):
     """Qwen3-TTS talker + code predictor driven by the lockstep engine.
 
     Every method except `prepare` is batched and free of host syncs. Parameters, the KV

@@ -10,6 +10,9 @@ from torch import nn
 
 from mtp_fsm import invariant
 
+from models.paged_attention import attend_paged
+from models.paged_kv import StepKV
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms, softmax and RoPE run in at least float32 (float64 stays float64 for exact tests)."""
@@ -134,6 +137,13 @@ class Attention(nn.Module):
         vals = cache_v[write_slot].to(q.dtype)
         return self._attend(q, keys, vals, mask)
 
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepKV,
+                      pool_k: torch.Tensor, pool_v: torch.Tensor) -> torch.Tensor:
+        """Flat tokens x [T, hidden] over a paged KV (models.paged_kv): write k/v where the step
+        plan says, then attend to each token's own slot over [0, pos] (filled blocks only)."""
+        q, k, v = self._qkv(x, cos, sin)
+        return attend_paged(self, q, k, v, step, pool_k, pool_v)
+
     def forward_window(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
                        cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
         """x [B, S, hidden] at positions start..start+S-1 of per-row caches [B, C, KV, D]:
@@ -191,20 +201,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def run_over_slots(layers, x: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-                   cache: list[tuple[torch.Tensor, torch.Tensor]], cos_table: torch.Tensor,
-                   sin_table: torch.Tensor) -> torch.Tensor:
+def run_over_slots(layers, x: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor, cache,
+                   cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
     """Flat tokens x [T, H] of many requests through decoder `layers`, each attending over
-    its own slot's KV cache (one (K, V) pair per layer) and writing its KV there -> [T, H]."""
-    rows, context = cache[0][0].shape[:2]
-    # Padding tokens (slot -1) write and read the scratch row rows-1, never a real slot.
-    write_slot = torch.where(token_slots >= 0, token_slots, torch.full_like(token_slots, rows - 1))
-    # Padding tokens may carry any position; clamping keeps the gathers in bounds.
-    pos = positions.clamp(0, context - 1)
+    its own slot's KV (a models.slot_cache.PagedKV over these layers) and writing its KV there -> [T, H].
+
+    Padding tokens (slot -1) write a trash block and read zeros, never a real slot; positions
+    are clamped into the context (padding may carry any)."""
+    step = cache.plan(positions, token_slots)
+    pos = step.token_pos
     cos, sin = cos_table[pos], sin_table[pos]
-    mask = torch.arange(context, device=x.device)[None, :] <= pos[:, None]  # [T, C]
-    for layer, (cache_k, cache_v) in zip(layers, cache):
+    for layer, (cache_k, cache_v) in zip(layers, cache.layers()):
         def attend(attn: Attention, h: torch.Tensor, k=cache_k, v=cache_v) -> torch.Tensor:
-            return attn.forward_cached(h, cos, sin, write_slot, pos, mask, k, v)
+            return attn.forward_paged(h, cos, sin, step, k, v)
         x = layer(x, attend)
     return x

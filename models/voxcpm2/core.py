@@ -8,7 +8,7 @@ from torch import nn
 
 from models.module_init import materialize, seeded_normal, seeded_normal_init
 from models.qwen3_tts.layers import Linear, RMSNorm
-from models.slot_cache import SlotKVCache
+from models.slot_cache import PagedKVCache
 from mtp_fsm import invariant
 
 from .config import AUDIO_START_TOKEN, BYTE_OFFSET, VoxCPM2Config
@@ -45,14 +45,14 @@ def byte_tokenize(text: str) -> list[int]:
     return [BYTE_OFFSET + b for b in text.encode("utf-8")] + [AUDIO_START_TOKEN]
 
 
-class VoxCPM2Core(SlotKVCache):
+class VoxCPM2Core(PagedKVCache):
     """The whole model as batched, host-sync-free per-step functions for an engine adapter.
 
     One decode step of a request, in upstream `_inference` order: `forward` of its next input
     gives `hidden` = [lm_hidden | residual_hidden]; `stop_logits(hidden)` and
     `patch(hidden, prefix, noise)` both read that same hidden; the patch is emitted (also on
     the step whose stop fires) and `next_embed(patch)` is the next input. The base and residual
-    LM caches are one SlotKVCache: layers [0, L_base) base, [L_base, L_base + L_res) residual
+    LM caches are one PagedKVCache: layers [0, L_base) base, [L_base, L_base + L_res) residual
     (the residual LM copies the base config, so KV heads and head_dim agree).
     """
 
@@ -109,24 +109,22 @@ class VoxCPM2Core(SlotKVCache):
         is_audio [T] bool marks audio rows (every decode step; prompt patches of a voice
         continuation): their base LM output goes through the FSQ bottleneck and their input
         embedding (= the patch embedding) joins the residual LM input; text rows pass the raw
-        LM output and zeros. Padding tokens (slot -1) write and read only the scratch cache row.
+        LM output and zeros. Padding tokens (slot -1) touch no slot's KV.
         """
         cache = self._require_cache()
         split = self.config.lm_config.num_hidden_layers
-        rows, context = cache[0][0].shape[:2]
-        write_slot = torch.where(token_slots >= 0, token_slots, torch.full_like(token_slots, rows - 1))
-        pos = positions.clamp(0, context - 1)  # padding may carry any position
-        mask = torch.arange(context, device=pos.device)[None, :] <= pos[:, None]
+        step = cache.plan(positions, token_slots)  # one plan: both LMs write the same (slot, position)s
+        pos = step.token_pos
         m, audio = self.module, is_audio.bool()[:, None]
 
         def table(rope):
             return (None, None) if rope[0] is None else (rope[0][pos], rope[1][pos])
 
         x = inputs_embeds.to(self.dtype)
-        h = m.base_lm.forward_cached(x, *table(self._lm_rope), write_slot, pos, mask, cache[:split])
+        h = m.base_lm.forward_paged(x, *table(self._lm_rope), step, cache[:split].layers())
         h = torch.where(audio, m.fsq_layer(h), h)
         res_in = m.fusion_concat_proj(torch.cat((h, torch.where(audio, x, torch.zeros_like(x))), dim=-1))
-        r = m.residual_lm.forward_cached(res_in, *table(self._res_rope), write_slot, pos, mask, cache[split:])
+        r = m.residual_lm.forward_paged(res_in, *table(self._res_rope), step, cache[split:].layers())
         return torch.cat((h, r), dim=-1)
 
     @torch.no_grad()

@@ -9,11 +9,10 @@ import torch
 from torch import nn
 
 from models.qwen3_tts.layers import MLP, Attention, RMSNorm
+from models.paged_kv import StepKV
 from mtp_fsm import invariant
 
 from .config import MiniCPM4Config
-
-Cache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def longrope_tables(cfg: MiniCPM4Config, num_positions: int,
@@ -101,13 +100,13 @@ class MiniCPMModel(nn.Module):
         self.layers = nn.ModuleList(MiniCPMDecoderLayer(cfg, bi) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                       write_slot: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Cache) -> torch.Tensor:
-        """Flat tokens x [T, H] at (write_slot, pos), cos/sin [T, D], mask [T, C]: each layer writes
-        its K/V into the slot's cache row, then attends to that row's positions [0, pos]."""
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                      step: StepKV, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Flat tokens x [T, H], cos/sin [T, D], over a paged KV (models.paged_kv): each layer
+        writes its K/V where the step plan says, then attends to its slot's positions [0, pos]."""
         for layer, (cache_k, cache_v) in zip(self.layers, cache):
             def attend(attn: MiniCPMAttention, h: torch.Tensor, k=cache_k, v=cache_v) -> torch.Tensor:
-                return attn.forward_cached(h, cos, sin, write_slot, pos, mask, k, v)
+                return attn.forward_paged(h, cos, sin, step, k, v)
             x = layer(x, attend)
         return self.norm(x)
 
