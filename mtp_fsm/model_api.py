@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from .sampling.params import SamplingParams
+from .sampling.penalties import PENALTY_BEFORE_TEMPERATURE, PENALTY_ORDERS
 
 # A sampler the engine hands to the MTP hook: (logits [B, V], codebook index[, params]) ->
 # tokens [B]. It applies each row's own MTP sampling parameters (or `params`, a draw whose
@@ -166,6 +167,11 @@ class ModelSpec:
     # sampled (NewRequest.min_frames).
     repetition_penalty: float = 1.0
     min_frames: int = 0
+    # Where the CB0 repetition penalty acts, as the model's upstream sampler does it
+    # (sampling.penalties): "before_temperature" on the logits (HF generate: Qwen3-TTS), or
+    # "after_filters" on the temperature-scaled scores top-k / top-p kept (Chatterbox Turbo's
+    # inference_turbo). The orders sample different tokens, so it is the model's, not the request's.
+    repetition_penalty_order: str = attrs.field(default=PENALTY_BEFORE_TEMPERATURE)
     # Variant "delay_pattern": the codebook delay pattern the engine enforces (None: none).
     # Such a model refuses CB0 repetition penalties and min_frames at admission (the
     # pattern's fillers would count as repeats, and the stop is the pattern's own).
@@ -173,6 +179,13 @@ class ModelSpec:
     # A continuous frame payload (variant "stop_head", VoxCPM2): num_codebooks is 1 (CB0),
     # the MTP hook returns the payload, frame_embed receives it (not codes).
     payload: PayloadSpec | None = None
+
+    @repetition_penalty_order.validator
+    def _check_penalty_order(self, attribute, value) -> None:
+        if value not in PENALTY_ORDERS:
+            raise ValueError(f"{self.name}: repetition_penalty_order must be one of {PENALTY_ORDERS} (where the "
+                             f"CB0 repetition penalty acts: on the logits, or on the scores after temperature, "
+                             f"top-k and top-p), got {value!r}")
 
     @property
     def has_mtp(self) -> bool:

@@ -7,6 +7,7 @@ import torch
 from models.module_init import materialize, seeded_normal_init
 from models.slot_cache import SlotKVCache
 from mtp_fsm.model_api import ModelSpec, PreparedPrompt, TalkerModel
+from mtp_fsm.sampling.penalties import PENALTY_AFTER_FILTERS
 
 from .config import ChatterboxConfig
 from .gpt2 import Conv1D, LayerNorm, Linear
@@ -18,7 +19,9 @@ class ChatterboxTalker(SlotKVCache, TalkerModel):
     """T3 Turbo driven by the lockstep engine under the `single_codebook` lifecycle.
 
     One speech token per frame: CB0 is the whole frame, the stop token is the engine's
-    EOS, and start-of-speech is masked (-inf) in the head. Every method except `prepare`
+    EOS, and start-of-speech is masked (-inf) in the head. CB0 sampling follows upstream's
+    `inference_turbo`: repetition penalty 1.2 by default, after temperature / top-k / top-p
+    (ModelSpec.repetition_penalty_order). Every method except `prepare`
     is batched and free of host syncs. `device="meta"` builds shapes only.
     """
 
@@ -41,6 +44,9 @@ class ChatterboxTalker(SlotKVCache, TalkerModel):
             name="chatterbox_turbo", hidden_size=config.hidden_size, num_codebooks=1,
             backbone_vocab_size=config.speech_tokens_dict_size, codebook_size=config.codebook_size,
             eos_token_id=config.stop_speech_token, max_context=config.max_context, dtype=dtype,
+            # chatterbox-tts 0.1.7 (tts_turbo.generate, T3.inference_turbo): penalty 1.2, applied
+            # after temperature, top-k and top-p, on the scores they kept.
+            repetition_penalty=1.2, repetition_penalty_order=PENALTY_AFTER_FILTERS,
         )
 
     @property

@@ -35,6 +35,7 @@ import triton  # ImportError when Triton is missing: the backend selector report
 from ..lifecycle import DeviceLifecycle, Phase
 from ..sampling import SamplingParams
 from ..sampling.noise import gumbel_table
+from ..sampling.penalties import PENALTY_AFTER_FILTERS
 from ..sampling.topp import fixed_tables
 from ..slots import SlotTable
 from . import triton_stages as K
@@ -268,6 +269,7 @@ def sample_cb0(
         table.cb0_penalty, table.cb0_counts, table.cb0_counts.stride(0), table.min_frames,
         **_rules(lc), **shape, HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters),
         HAS_PENALTY=bool(batch.cb0_penalty), HAS_SUPPRESS=bool(batch.cb0_min_frames) and eos_token_id is not None,
+        PENALTY_AFTER=table.cb0_penalty_order == PENALTY_AFTER_FILTERS,
         BLOCK_R=tile, BLOCK_V=block, num_warps=_warps(block),
     )
     return tokens

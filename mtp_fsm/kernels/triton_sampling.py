@@ -143,12 +143,14 @@ def filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr):
 def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, top_p, key, allowed_ptr, gumbel_ptr,
                 fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, slot, penalty, suppress, eos_id,
                 HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr, HAS_PENALTY: tl.constexpr,
-                HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr):
+                HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr, PENALTY_AFTER: tl.constexpr):
     """A tile of rows of `sampling.sample_tokens`: (tokens int64 [R], fault int32 [R]).
 
     The history rules of `sampling.penalties` (HAS_PENALTY: ids with counts[slot] > 0
     penalised by the row's `penalty`; HAS_SUPPRESS: id eos_id masked on `suppress` rows)
-    act on the read, masked logits before the empty-row check, as in the reference."""
+    act on the read, masked logits before the empty-row check, as in the reference; with
+    PENALTY_AFTER the penalty acts on the scaled, filtered scores instead (greedy rows: their
+    filtered logits), like the reference's `late` rule."""
     offs = tl.arange(0, BLOCK_V)
     inb = rmask[:, None] & (offs < V)[None, :]
     x = tl.load(logit_ptr + rows.to(tl.int64)[:, None] * logits_stride + offs[None, :], mask=inb, other=0.0)
@@ -164,7 +166,8 @@ def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, to
     if HAS_PENALTY:
         seen = tl.load(counts_ptr + slot.to(tl.int64)[:, None] * counts_stride + offs[None, :], mask=inb, other=0) > 0
         p = penalty.to(tl.float32)[:, None]
-        x = tl.where(seen, tl.where(x < 0, x * p, tl.math.div_rn(x, p)), x)
+        if not PENALTY_AFTER:
+            x = tl.where(seen, tl.where(x < 0, x * p, tl.math.div_rn(x, p)), x)
     if HAS_SUPPRESS:
         x = tl.where(suppress[:, None] & (offs == eos_id)[None, :], float("-inf"), x)
     x = tl.where(inb, x, float("-inf"))
@@ -176,9 +179,15 @@ def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, to
     if APPLY_FILTERS:
         keep = filter_keep(scores, inb, V, top_k, top_p, fx_hi_ptr, fx_lo_ptr)
         scores = tl.where(keep, scores, float("-inf"))
+    base = x  # a greedy row's argmax: filters never drop it, so the logits serve
+    if HAS_PENALTY:
+        if PENALTY_AFTER:
+            # -inf * p and -inf / p stay -inf: the kept set is the unpenalised one.
+            scores = tl.where(seen, tl.where(scores < 0, scores * p, tl.math.div_rn(scores, p)), scores)
+            base = scores  # greedy rows: their scores are the logits divided by 1
     h = mix32(key[:, None] ^ offs.to(tl.int64)[None, :])
     noise = tl.load(gumbel_ptr + (h >> NOISE_SHIFT), mask=inb, other=0.0)
-    final = tl.where(greedy[:, None], x, scores + noise)
+    final = tl.where(greedy[:, None], base, scores + noise)
     final = tl.where(inb, final, float("-inf"))
     token = tl.argmax(final, 1, tie_break_left=True)
     return token.to(tl.int64), fault

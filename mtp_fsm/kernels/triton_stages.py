@@ -185,10 +185,12 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
                       pen_ptr, counts_ptr, counts_stride, minf_ptr,
                       NS: tl.constexpr, PLANE: tl.constexpr, STAGES: tl.constexpr, WIDTH: tl.constexpr,
                       HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr, HAS_PENALTY: tl.constexpr,
-                      HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A tile of rows: counters, CB0 sampling (with the repetition penalty and the EOS
-    suppression of min_frames), the sample-phase predicates (prompt done, a bad CB0 sample,
-    EOS sampled), the sample-phase stage chain and the fault column."""
+                      HAS_SUPPRESS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                      PENALTY_AFTER: tl.constexpr):
+    """A tile of rows: counters, CB0 sampling (with the repetition penalty where the model's
+    order puts it, PENALTY_AFTER, and the EOS suppression of min_frames), the sample-phase
+    predicates (prompt done, a bad CB0 sample, EOS sampled), the sample-phase stage chain and
+    the fault column."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
     slot = tl.load(idx_ptr + row, mask=rm, other=0)
@@ -207,7 +209,7 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
         allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, slot,
         tl.load(pen_ptr + slot, mask=rm, other=1.0), suppress, eos_id,
-        HAS_ALLOWED, APPLY_FILTERS, HAS_PENALTY, HAS_SUPPRESS, BLOCK_V)
+        HAS_ALLOWED, APPLY_FILTERS, HAS_PENALTY, HAS_SUPPRESS, BLOCK_V, PENALTY_AFTER)
     bad = fault != 0
     tl.store(tokens_ptr + row, token, mask=rm)
     done = computed >= tl.load(plen_ptr + slot, mask=rm, other=0)
@@ -248,7 +250,7 @@ def sample_mtp_kernel(idx_ptr, B, frames_ptr, seed_ptr, temp_ptr, topk_ptr, topp
         logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
         tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
         gumbel_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, gumbel_ptr, 0, slot, seed * 0, rm, -1,
-        False, APPLY_FILTERS, False, False, BLOCK_V)
+        False, APPLY_FILTERS, False, False, BLOCK_V, False)
     tl.store(tokens_ptr + row, token, mask=rm)
     old = tl.load(fault_ptr + row, mask=rm, other=0)
     cb = codebook.to(tl.int32)

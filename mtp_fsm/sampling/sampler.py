@@ -105,6 +105,7 @@ def sample_tokens(
     noise: torch.Tensor | None = None,
     rules: Rules | None = None,
     top_k_min: int | None = None,
+    late: Rules | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns (tokens int64 [B], fault int32 [B]): 0 = ok, else
     FAULT_NAN / FAULT_POSINF / FAULT_EMPTY (`faults`; callers needing a bool use fault != 0).
@@ -119,16 +120,19 @@ def sample_tokens(
     empty-row check. top_k_min: the smallest top_k among the rows that sample (temperature >
     0; 0 if one of them has no top-k, NO_SAMPLED_ROWS if every row is greedy): with top-k
     only, CPU tensors and k_max <= V / 4, noise is drawn for the top k_max candidates only
-    (`candidates`), not all V ids.
+    (`candidates`), not all V ids. late: rules applied to the scores after temperature and
+    filters (float32 [B, V] -> [B, V], -inf kept), before the noise; greedy rows get them too.
     """
     logits, fault = row_faults(logits, allowed, rules)
     greedy = temperature <= 0
-    if top_k_min is not None and top_k_min >= NO_SAMPLED_ROWS:
+    every_row_greedy = top_k_min is not None and top_k_min >= NO_SAMPLED_ROWS
+    if every_row_greedy and late is None:
         return torch.argmax(logits, dim=-1), fault
     scores = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     vocab = logits.shape[-1]
+    # The candidate path reads the top-k scores only; a late rule may reorder them (no fast path).
     if (apply_filters and not any_top_p and noise is None and top_k_max is not None and 0 < 4 * top_k_max <= vocab
-            and top_k_min is not None and top_k_min > 0 and logits.device.type == "cpu"):
+            and top_k_min is not None and top_k_min > 0 and logits.device.type == "cpu" and late is None):
         key = frame_key(seed, frame_index) if key is None else key
         tokens = top_k_candidates(scores, top_k, top_k_max, codebook_key(key, codebook), greedy)
         if tokens is not None:
@@ -139,8 +143,15 @@ def sample_tokens(
         else:
             keep = filter_mask(scores, top_k, top_p)
         scores = scores.masked_fill(~keep, NEG_INF)
+    # A greedy row's scores are its logits (divided by 1); filters never drop its argmax, so
+    # without late rules the logits are read directly.
+    if late is not None:
+        scores = late(scores)
+    base = logits if late is None else scores
+    if every_row_greedy:
+        return torch.argmax(base, dim=-1), fault
     if noise is None:
         key = frame_key(seed, frame_index) if key is None else key
         noise = gumbel_noise(codebook_key(key, codebook), logits.shape[-1])
-    scores = torch.where(greedy[:, None], logits, scores + noise)
+    scores = torch.where(greedy[:, None], base, scores + noise)
     return torch.argmax(scores, dim=-1), fault

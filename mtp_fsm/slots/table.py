@@ -7,6 +7,7 @@ import torch
 
 from ..lifecycle import FinishReason
 from ..model_api import ColumnSpec, ModelSpec
+from ..sampling.penalties import PENALTY_BEFORE_TEMPERATURE
 
 # Sticky error bits (the `error` column); any set bit is an engine bug, reported loudly.
 ERR_IDENTITY = 1  # a row's expected request serial does not match the slot's owner
@@ -58,6 +59,9 @@ class SlotTable:
     prompt_embeds: torch.Tensor  # [R, C, H] prompt (and replayed frame) input embeddings
     extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
     extra_fill: dict[str, float] = attrs.field(factory=dict)  # a fresh row's value per model column
+    # Where the CB0 repetition penalty acts (ModelSpec.repetition_penalty_order): the model's,
+    # so one value for the table, read on the host by the sampling kernels (no device value).
+    cb0_penalty_order: str = PENALTY_BEFORE_TEMPERATURE
 
     @classmethod
     def allocate(
@@ -86,6 +90,7 @@ class SlotTable:
             cb0_penalty=col(dtype=torch.float32) + 1.0, min_frames=col(),  # 1.0: no penalty (scratch row too)
             cb0_counts=col((spec.backbone_vocab_size,), torch.int32),
             error=col(dtype=torch.int32), fault=col(dtype=torch.int32), prompt_embeds=col((c, h), spec.dtype),
+            cb0_penalty_order=spec.repetition_penalty_order,
         )
         for name, cs in (extra_columns or {}).items():
             if name in table.columns():

@@ -15,6 +15,7 @@ from ..sampling import FAULT_EMPTY, FAULT_NAN, FAULT_OK, FAULT_POSINF, SamplingP
 from ..sampling.faults import FAULT_PAYLOAD
 from ..sampling.gaussian import gaussian_noise
 from ..sampling.noise import frame_key, gumbel_noise, row_key
+from ..sampling.penalties import PENALTY_AFTER_FILTERS
 from ..sampling.topp import FX_LIMIT, FX_ONE, FX_STEP, fixed_tables
 from .alone import AloneRun, RequestDef
 
@@ -116,13 +117,14 @@ def history_rules(generated: list[int], penalty: float | None, suppress_id: int 
 
 def sample_row(
     logits: torch.Tensor, params: SamplingParams, seed: int, frame_index: int, codebook: int,
-    allowed: torch.Tensor | None = None, rules=None,
+    allowed: torch.Tensor | None = None, rules=None, late=None,
 ) -> tuple[int, int]:
     """(token, fault kind) for one 1-D logits row under one request's parameters.
 
     -inf masks an id; NaN, then +inf, then "nothing left unmasked" are the faults (codes of
     sampling.faults). A faulty row still yields a token: NaN / +inf read as 0. `rules`
-    (history_rules) adjust the read, masked row before the empty check."""
+    (history_rules) adjust the read, masked row before the empty check; `late` ones (a
+    penalty ordered after the filters) the scaled, filtered scores, greedy rows included."""
     x = logits.float()
     nan, posinf = bool(torch.isnan(x).any()), bool((x == float("inf")).any())
     x = torch.where(torch.isnan(x) | (x == float("inf")), torch.zeros_like(x), x)
@@ -133,10 +135,14 @@ def sample_row(
     empty = not bool((x > NEG_INF).any())
     fault = FAULT_NAN if nan else FAULT_POSINF if posinf else FAULT_EMPTY if empty else FAULT_OK
     temperature = torch.tensor(params.temperature, dtype=torch.float32)
-    if temperature <= 0:
+    if temperature <= 0 and late is None:
         return int(torch.argmax(x)), fault  # greedy ignores top-k / top-p and the noise
-    scores = x / temperature
+    scores = x / temperature if temperature > 0 else x
     scores = scores.masked_fill(~kept_ids(scores, params.top_k, params.top_p), NEG_INF)
+    if late is not None:
+        scores = late(scores)
+        if temperature <= 0:
+            return int(torch.argmax(scores)), fault  # the filtered, penalised logits, no noise
     key = row_key(torch.tensor([seed], dtype=torch.int64), torch.tensor([frame_index]), codebook)
     noise = gumbel_noise(key, x.shape[0])[0]
     return int(torch.argmax(scores + noise)), fault  # argmax: ties to the lowest id
@@ -226,6 +232,7 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
     cb0_params, mtp_params = spec.cb0_sampling or d.cb0, spec.mtp_sampling or d.mtp
     penalty = spec.repetition_penalty if cb0_params.repetition_penalty is None else cb0_params.repetition_penalty
     min_frames = spec.min_frames if d.min_frames is None else d.min_frames
+    penalty_late = spec.repetition_penalty_order == PENALTY_AFTER_FILTERS
 
     frames: list[tuple[int, ...]] = []
     # Before any publish the engine's frame cache row is zeros (only a mutated spec gets there).
@@ -244,8 +251,10 @@ def _interpret(model: TalkerModel, life: LifecycleSpec, d: RequestDef) -> AloneR
         hidden = model.forward(inputs, positions, torch.zeros(scheduled, dtype=torch.int64, device=device))[-1:]
         logits = delay_pattern_row(model.cb0_logits(hidden)[0], spec.delay_pattern, frames, 0)
         early = spec.eos_token_id is not None and len(frames) < min_frames
-        rules = history_rules([f[0] for f in frames], penalty, spec.eos_token_id if early else None)
-        cb0, cb0_fault = sample_row(logits, cb0_params, d.seed, len(frames), 0, allowed, rules)
+        generated = [f[0] for f in frames]
+        rules = history_rules(generated, None if penalty_late else penalty, spec.eos_token_id if early else None)
+        late = history_rules(generated, penalty, None) if penalty_late else None
+        cb0, cb0_fault = sample_row(logits, cb0_params, d.seed, len(frames), 0, allowed, rules, late)
         sample_facts = {
             Predicate.PROMPT_DONE: prompt_done(computed, scheduled, prompt_len),
             Predicate.CB0_FAULT: cb0_fault != FAULT_OK,

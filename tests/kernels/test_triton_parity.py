@@ -27,6 +27,7 @@ from mtp_fsm.lifecycle import (  # noqa: E402
 )
 from mtp_fsm.model_api import ColumnSpec, ModelSpec  # noqa: E402
 from mtp_fsm.sampling import SamplingParams  # noqa: E402
+from mtp_fsm.sampling.penalties import PENALTY_ORDERS  # noqa: E402
 from mtp_fsm.slots import SlotTable  # noqa: E402
 from mtp_fsm.gpu.step_harness import lockstep_plans, scripted  # noqa: E402
 from mtp_fsm.testing import ScriptInputs  # noqa: E402
@@ -296,9 +297,11 @@ def _logits(g, rows, vocab, dtype):
 
 @FAST
 @given(st.integers(0, 2**31), DTYPES, st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
-       st.integers(1, 7), st.booleans(), st.booleans(), st.sampled_from(list(LIFECYCLES)))
-def test_sample_cb0(seed, dtype, logit_dtype, rows, filters, use_allowed, life):
+       st.integers(1, 7), st.booleans(), st.booleans(), st.sampled_from(list(LIFECYCLES)),
+       st.sampled_from(PENALTY_ORDERS))
+def test_sample_cb0(seed, dtype, logit_dtype, rows, filters, use_allowed, life, order):
     ref, tri = both(seed, dtype, live_bias=(1, 2, 3, 6, 7))
+    ref.cb0_penalty_order = tri.cb0_penalty_order = order  # where the model puts the CB0 penalty
     batch = make_batch(seed, ref, rows, filters=(filters, False))
     g = torch.Generator().manual_seed(seed + 4)
     logits = _logits(g, rows, V0, logit_dtype)
