@@ -90,6 +90,7 @@ class Qwen3OmniTalker(PagedKVCache, TalkerModel):
             raise ValueError(f"thinker special rows must be [3, {self.config.thinker_hidden_size}], "
                              f"got {tuple(rows.shape)}")
         self.thinker_special_rows.copy_(rows.to(self.thinker_special_rows))
+        self._specials = None
 
     # ---------------------------------------------------------------- weights
 
@@ -192,10 +193,23 @@ class Qwen3OmniTalker(PagedKVCache, TalkerModel):
 
     # ---------------------------------------------------------------- step hooks
 
+    def bind_slots(self, max_slots: int, device: torch.device,
+                   columns: dict[str, torch.Tensor] | None = None) -> None:
+        super().bind_slots(max_slots, device, columns)
+        self._specials = None  # projected again on first use (tts_specials)
+
     @torch.no_grad()
     def tts_specials(self) -> torch.Tensor:
-        """text_projection of the thinker's (tts_bos, tts_eos, tts_pad) rows: [3, H]."""
-        return self.talker.text_projection(self.thinker_special_rows)
+        """text_projection of the thinker's (tts_bos, tts_eos, tts_pad) rows: [3, H]. A per-step
+        constant: once an engine binds (the weights are final) it is projected once and kept
+        until the rows change (set_thinker_special_rows)."""
+        cached = getattr(self, "_specials", None)
+        if cached is not None:
+            return cached
+        specials = self.talker.text_projection(self.thinker_special_rows)
+        if self._cache is not None:
+            self._specials = specials
+        return specials
 
     def tts_eos_embed(self) -> torch.Tensor:
         return self.tts_specials()[1]

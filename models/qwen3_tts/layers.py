@@ -156,6 +156,13 @@ class Attention(nn.Module):
         end = start + x.shape[-2]
         cache_k[:, start:end] = k.to(cache_k.dtype)
         cache_v[:, start:end] = v.to(cache_v.dtype)
+        if not self.bi:
+            # Every position < end was written in this window or before it: nothing to zero, one fused call.
+            keys, vals = cache_k[:, :end].to(q.dtype).transpose(1, 2), cache_v[:, :end].to(q.dtype).transpose(1, 2)
+            causal = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=causal, scale=self.scaling,
+                                                 enable_gqa=self.kv_heads != self.heads)  # [B, H, S, D]
+            return self.o_proj(out.transpose(1, 2).flatten(-2))
         keys = cache_k[:, None, :end].to(q.dtype)  # [B, 1, end, KV, D], shared by the S queries
         vals = cache_v[:, None, :end].to(q.dtype)
         key_pos = torch.arange(end, device=x.device)

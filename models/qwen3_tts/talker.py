@@ -73,15 +73,24 @@ class CodePredictorModel(nn.Module):
         self.codec_embedding = nn.ModuleList(
             nn.Embedding(cfg.vocab_size, talker_hidden) for _ in range(cfg.num_code_groups - 1)
         )
+        # Static depth-loop KV per batch size (frame_cache); not parameters, not in the state dict.
+        self._frame_caches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def new_cache(self, batch: int, positions: int, dtype: torch.dtype,
-                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (k, v) [batch, positions, KV, D] for one frame's depth loop; entries are
-        written before they are read, so no initialisation is needed."""
-        attn = self.layers[0].self_attn
-        shape = (batch, positions, attn.kv_heads, attn.head_dim)
-        return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                for _ in self.layers]
+    def frame_cache(self, batch: int, positions: int, dtype: torch.dtype,
+                    device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) [batch, positions, KV, D] for one frame's depth loop, made once per
+        (batch, positions, dtype, device) and reused by every frame: no allocation per step (a
+        CUDA graph replays the same buffers). Every frame writes a position before reading it,
+        so what the previous frame left there is never seen."""
+        key = (batch, positions, dtype, device)
+        cached = self._frame_caches.get(key)
+        if cached is None:
+            attn = self.layers[0].self_attn
+            shape = (batch, positions, attn.kv_heads, attn.head_dim)
+            cached = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                      for _ in self.layers]
+            self._frame_caches[key] = cached
+        return cached
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None, start: int = 0) -> torch.Tensor:
@@ -126,7 +135,7 @@ class CodePredictor(nn.Module):
         groups, vocab = self.cfg.num_code_groups, self.cfg.vocab_size
         x = self.small_to_mtp_projection(torch.stack([talker_hidden, cb0_embed], dim=1))  # [B, 2, H_cp]
         # Positions 0..Q-1: the last code (Q-1) is sampled, never fed back.
-        cache = self.model.new_cache(x.shape[0], groups, x.dtype, x.device)
+        cache = self.model.frame_cache(x.shape[0], groups, x.dtype, x.device)
         h = self.model(x, cos[:2], sin[:2], cache, start=0)[:, 1]
         out = []
         for g in range(1, groups):

@@ -134,10 +134,10 @@ def test_mtp_samples_codebooks_1_to_7_from_the_fused_head():
 def test_padding_tokens_touch_no_slot():
     model = make(slots=2)
     prefill(model, model.prepare(text_inputs("ab")).prompt_embeds, 0)
-    before = [(k[:2].clone(), v[:2].clone()) for k, v in model._cache]
+    before = [(k[:2].clone(), v[:2].clone()) for k, v in model.dense_kv()]
     model.forward(torch.randn(3, 64), torch.tensor([0, 1, 999]), torch.full((3,), -1))
     assert all(torch.equal(k[:2], k0) and torch.equal(v[:2], v0)
-               for (k, v), (k0, v0) in zip(model._cache, before))
+               for (k, v), (k0, v0) in zip(model.dense_kv(), before))
 
 
 def test_demo_wiring_reaches_eoc_on_codebook_0():

@@ -136,18 +136,18 @@ def test_padding_touches_no_slot_and_reset_clears_the_mtp_layer():
     p = model.prepare(text_inputs("pad")).prompt_embeds
     h = prefill(model, p, 0)
     model.mtp_forward(h, torch.tensor([112, 97, 100, 1]), torch.arange(4), torch.zeros(4, dtype=torch.long))
-    before = [(k[:2].clone(), v[:2].clone()) for k, v in model._cache]
+    before = [(k[:2].clone(), v[:2].clone()) for k, v in model.dense_kv()]
     assert all(k[0].any() for k, _ in before)  # every layer, the MTP's included, wrote slot 0
     junk = torch.full((3, H), float("nan"))
     for pos in (torch.tensor([0, 1, 2]), torch.tensor([4, 70, 159])):
         model.forward(junk, pos, torch.full((3,), -1))
         model.mtp_forward(junk, torch.tensor([1, 2, 3]), pos, torch.full((3,), -1))
-    assert all(torch.equal(k[:2], bk) and torch.equal(v[:2], bv) for (k, v), (bk, bv) in zip(model._cache, before))
+    assert all(torch.equal(k[:2], bk) and torch.equal(v[:2], bv) for (k, v), (bk, bv) in zip(model.dense_kv(), before))
     # A NaN scratch row reaches no real row.
     again = model.forward(p[-1:], torch.tensor([3]), torch.tensor([0]))
     assert torch.equal(again, prefill(make(slots=1), p, 0)[-1:])
     model.reset_slots(torch.tensor([0]))
-    assert all(not k[0].any() and not v[0].any() for k, v in model._cache)
+    assert all(not k[0].any() and not v[0].any() for k, v in model.dense_kv())
 
 
 def test_chunked_prefill_equals_whole():

@@ -278,11 +278,11 @@ def test_padding_tokens_touch_no_slot_and_batch_isolation():
     a = model.prepare(text_inputs("first request")).prompt_embeds
     b = model.prepare(OmniInputs(prompt_rows=thinker_rows("a user turn, then", 48))).prompt_embeds
     ha, hb = prefill(model, a, 0), prefill(model, b, 2)
-    before = [(k.clone(), v.clone()) for k, v in model._cache]
+    before = [(k.clone(), v.clone()) for k, v in model.dense_kv()]
     pad = torch.randn(3, 64) * 100
     out = model.forward(pad, torch.tensor([0, 5, 700]), torch.full((3,), -1))
     assert torch.isfinite(out).all()
-    for (k0, v0), (k1, v1) in zip(before, model._cache):
+    for (k0, v0), (k1, v1) in zip(before, model.dense_kv()):
         assert torch.equal(k0[:SLOTS], k1[:SLOTS]) and torch.equal(v0[:SLOTS], v1[:SLOTS])
     model.reset_slots(torch.tensor([0, 2]))
     x = torch.cat([pad[:1], b[:4], a, b[4:]])  # interleaved, with a padding token

@@ -113,22 +113,19 @@ def test_padding_tokens_touch_no_slot():
     model = make(torch.float64)
     for slot in range(4):
         prefill(model, torch.randn(6, 64, dtype=torch.float64), slot)
-    before = [(k.clone(), v.clone()) for k, v in model._cache]
+    before = [(k.clone(), v.clone()) for k, v in model.dense_kv()]
     pad = torch.randn(5, 64, dtype=torch.float64) * 100
     out = model.forward(pad, torch.tensor([0, 1, 2, 3, 700]), torch.full((5,), -1))
     assert torch.isfinite(out).all()
-    for (k0, v0), (k1, v1) in zip(before, model._cache):
+    for (k0, v0), (k1, v1) in zip(before, model.dense_kv()):
         assert torch.equal(k0[:4], k1[:4]) and torch.equal(v0[:4], v1[:4])
     # Padding mixed into a real chunk changes neither that request's result nor other slots.
     x = torch.randn(3, 64, dtype=torch.float64)
     alone = model.forward(x, torch.tensor([6, 7, 8]), torch.tensor([2, 2, 2]))
-    model.reset_slots(torch.tensor([2]))
-    for slot_cache, (k0, v0) in zip(model._cache, before):
-        slot_cache[0][2].copy_(k0[2])
-        slot_cache[1][2].copy_(v0[2])
+    # The mixed step rewrites positions 6-8 of slot 2 (the same values) before it reads them.
     mixed = model.forward(torch.cat([pad[:2], x]), torch.tensor([6, 7, 6, 7, 8]), torch.tensor([-1, -1, 2, 2, 2]))
     torch.testing.assert_close(mixed[2:], alone, rtol=0, atol=1e-12)
-    for (k0, _), (k1, _) in zip(before, model._cache):
+    for (k0, _), (k1, _) in zip(before, model.dense_kv()):
         assert torch.equal(k0[[0, 1, 3]], k1[[0, 1, 3]])
 
 
@@ -188,8 +185,9 @@ def test_reset_slots_zeroes_rows():
     prefill(model, torch.randn(4, 64), 1)
     prefill(model, torch.randn(4, 64), 2)
     model.reset_slots(torch.tensor([1, -1]))
-    k = model._cache[0][0]
+    k = model.dense_kv()[0][0]
     assert not k[1].any() and k[2].any()
+    assert model.kv_pool.blocks_in_use == 1  # slot 1's block went back to the pool
 
 
 def test_demo_eos_follows_text():
@@ -289,9 +287,18 @@ def test_stale_cache_entries_are_never_read():
     model = make(torch.float64)
     prompt = model.prepare(TTSInputs(text="stale")).prompt_embeds
     clean = prefill(model, prompt, 1)
-    for cache_k, cache_v in model._cache:  # garbage beyond the prompt, as a previous occupant might leave
-        cache_k[1, prompt.shape[0]:] = float("nan")
-        cache_v[1, prompt.shape[0]:] = float("inf")
+    # Garbage in slot 1's blocks beyond the prompt and in every free block (a block is zeroed
+    # when a slot takes it, but the reads must not depend on that).
+    pool, n = model.kv_pool, prompt.shape[0]
+    positions = torch.arange(n, pool.table.shape[1] * pool.block_size)
+    blocks = pool.table[1, positions // pool.block_size]
+    held = blocks != 0
+    free = torch.tensor(pool.free, dtype=torch.long)
+    for cache_k, cache_v in zip(pool.k, pool.v):
+        cache_k[blocks[held], positions[held] % pool.block_size] = float("nan")
+        cache_v[blocks[held], positions[held] % pool.block_size] = float("inf")
+        cache_k[free], cache_v[free] = float("nan"), float("inf")
+    assert held.any()
     again = prefill(model, prompt, 1)
     assert torch.equal(again, clean)
 

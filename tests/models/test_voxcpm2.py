@@ -176,13 +176,13 @@ def test_padding_tokens_touch_no_slot():
     core = make()
     embeds, positions, slots, is_audio, _ = pack(core, [(0, PROMPTS[0]), (1, PROMPTS[1])])
     clean = core.forward(embeds, positions, slots, is_audio)
-    snapshot = [(k[:SLOTS].clone(), v[:SLOTS].clone()) for k, v in core._require_cache()]
+    snapshot = [(k[:SLOTS].clone(), v[:SLOTS].clone()) for k, v in core.dense_kv()]
 
     # Padding rows only (slot -1, any position, even past the context): no real slot changes.
     pad = torch.randn(6, core.config.hidden_size) * 100
     core.forward(pad, torch.tensor([0, 3, 5, 159, 400, -2]), torch.full((6,), -1),
                  torch.tensor([True, False, True, False, True, False]))
-    for (k, v), (k0, v0) in zip(core._require_cache(), snapshot):
+    for (k, v), (k0, v0) in zip(core.dense_kv(), snapshot):
         assert torch.equal(k[:SLOTS], k0) and torch.equal(v[:SLOTS], v0)
 
     # Interleaved with real tokens: the real rows' outputs are unchanged, bit for bit.
