@@ -79,6 +79,8 @@ class JobReader:
     def _first_audio(self) -> None:
         self.first_audio_s = self.clock() - self.job.arrival
         self.metrics.ttfa.observe(self.first_audio_s)
+        if self.job.on_first_audio is not None:
+            self.job.on_first_audio()
 
     def _check_end(self) -> None:
         finished, rid = self.finished, self.job.request_id

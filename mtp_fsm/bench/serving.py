@@ -1,0 +1,159 @@
+"""Client-side serving bench: time to first audio and streams/s through the speech API (embedded backend, loopback HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+from .._util.stats import percentile
+from .._util.threads import torch_threads
+
+log = logging.getLogger("mtp_fsm.bench.serving")  # not __name__: "__main__" under python -m
+CONCURRENCY = (1, 8, 32)
+TARGET_CONCURRENCY, TARGET_RATIO = 8, 1.5  # client TTFA p50 <= 1.5x the engine's own first-frame latency
+TEXTS = ("Hello there, how are you today?", "The quick brown fox jumps over the lazy dog.",
+         "Please turn left at the next corner.", "Trains to the airport leave every ten minutes.")
+
+
+async def _one(client, body: dict) -> dict:
+    """One streamed PCM request, timed at the client: sent -> first audio bytes -> last byte."""
+    sent = time.perf_counter()
+    first = None
+    size = 0
+    async with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread())[:300]!r}")
+        rid = response.headers["x-request-id"]
+        async for chunk in response.aiter_bytes():
+            if chunk and first is None:
+                first = time.perf_counter()
+            size += len(chunk)
+    return {"id": rid, "ttfa_s": None if first is None else first - sent, "total_s": time.perf_counter() - sent,
+            "bytes": size}
+
+
+def _client_round(url: str, n: int, max_frames: int, seed: int) -> tuple[list[dict], float]:
+    """One round from a client process of its own: the server's threads (event loop, engine, decoder)
+    do not share a GIL with the client, as they would not in production."""
+    cmd = [sys.executable, "-m", "mtp_fsm.bench.serving", "--client", url, "--n", str(n),
+           "--max-frames", str(max_frames), "--seed", str(seed)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the bench client failed ({done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["rows"], result["wall_s"]
+
+
+async def _round(url: str, n: int, max_frames: int, seed: int) -> tuple[list[dict], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        bodies = [{"input": TEXTS[i % len(TEXTS)], "seed": seed + i, "max_new_tokens": max_frames, "stream": True,
+                   "response_format": "pcm"} for i in range(n)]
+        # n connections open and warm before the clock starts (keep-alive, as a serving client keeps them):
+        # TTFA is the server's, not TCP setup's or this process's first-request costs.
+        await asyncio.gather(*(client.get("/health") for _ in range(n)))
+        began = time.perf_counter()
+        rows = await asyncio.gather(*(_one(client, b) for b in bodies))
+        return rows, time.perf_counter() - began
+
+
+def bench_serving(model: str = "qwen3_tts", *, concurrency: Sequence[int] = CONCURRENCY, max_frames: int = 24,
+                  min_requests: int = 16, seed: int = 0, threads: int = 1,
+                  out: Callable[[str], None] = log.info) -> dict:
+    """The embedded server (uvicorn on loopback, engine and decoder on their threads) and a real HTTP
+    client in a process of its own: at each concurrency, rounds of n simultaneous PCM streams until at least
+    `min_requests` have run. Per request: TTFA from the client's send to its first audio bytes; per
+    round: streams/s = n / the round's wall time. The engine's own first-frame latency (from its submit,
+    ServingMetrics) is read for the same requests, so the two are compared on one run.
+
+    -> {"model", "rows": [{concurrency, requests, ttfa_ms_p50, ttfa_ms_p95, streams_per_s,
+        engine_first_frame_ms_p50, ratio}], "target": {...}}"""
+    from ..api.app import build_embedded_app, load_embedded_backend
+    from ..api.limits import Limits
+    from ..api.loopback import LoopbackServer
+
+    logging.getLogger("mtp_fsm.api").setLevel(logging.WARNING)  # no line per request in the bench's output
+    with torch_threads(threads):
+        backend = load_embedded_backend(model, seed=seed, max_slots=max(concurrency), kernels="torch")
+        app = build_embedded_app(backend, limits=Limits(max_new_tokens=max_frames, max_concurrent=max(concurrency)))
+        rows = []
+        with LoopbackServer(app) as server:
+            _client_round(server.url, 2, 4, seed)  # warm-up: first calls of every path
+            for n in concurrency:
+                timed, rates = [], []
+                while len(timed) < max(min_requests, n):
+                    got, wall = _client_round(server.url, n, max_frames, seed + len(timed))
+                    timed += got
+                    rates.append(n / wall)
+                engine = [backend.metrics.requests[r["id"]].first_frame_ms for r in timed]
+                ttfa = [1e3 * r["ttfa_s"] for r in timed if r["ttfa_s"] is not None]
+                engine = [v for v in engine if v is not None]
+                row = {"concurrency": n, "requests": len(timed), "ttfa_ms_p50": percentile(ttfa, 50),
+                       "ttfa_ms_p95": percentile(ttfa, 95), "streams_per_s": sorted(rates)[len(rates) // 2],
+                       "engine_first_frame_ms_p50": percentile(engine, 50)}
+                row["ratio"] = row["ttfa_ms_p50"] / row["engine_first_frame_ms_p50"]
+                rows.append(row)
+                out(f"  {n:>3} concurrent: TTFA p50 {row['ttfa_ms_p50']:.1f} ms, p95 {row['ttfa_ms_p95']:.1f} ms, "
+                    f"{row['streams_per_s']:.2f} streams/s; engine first frame p50 {row['engine_first_frame_ms_p50']:.1f}"
+                    f" ms ({row['ratio']:.2f}x)")
+    at = next((r for r in rows if r["concurrency"] == TARGET_CONCURRENCY), None)
+    target = {"concurrency": TARGET_CONCURRENCY, "max_ratio": TARGET_RATIO,
+              "ratio": None if at is None else at["ratio"],
+              "met": None if at is None else at["ratio"] <= TARGET_RATIO}
+    return {"model": model, "max_frames": max_frames, "rows": rows, "target": target}
+
+
+def serving_section(result: dict) -> str:
+    """The serving table (markdown) and its target line."""
+    lines = [f"Online API (`bench/serving.py`): {result['model']}, embedded backend, uvicorn on loopback, an httpx "
+             f"client in a process of its own streaming PCM (`stream=true`), up to {result['max_frames']} frames each; "
+             "TTFA from the client's send to its first audio bytes; the engine's first frame from its own submit, "
+             "same requests.", "",
+             "| concurrent | requests | TTFA p50 ms | TTFA p95 ms | streams/s | engine first frame p50 ms | TTFA / engine |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['ttfa_ms_p50']:.1f} | {r['ttfa_ms_p95']:.1f} | "
+                     f"{r['streams_per_s']:.2f} | {r['engine_first_frame_ms_p50']:.1f} | {r['ratio']:.2f}x |")
+    t = result["target"]
+    verdict = "unresolved (not measured)" if t["met"] is None else ("met" if t["met"] else "missed")
+    ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
+    lines += ["", f"- client TTFA p50 at {t['concurrency']} concurrent ≤ {t['max_ratio']}x the engine's first-frame "
+              f"latency: **{verdict}** ({ratio}x)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mtp_fsm.bench.serving", description=__doc__)
+    parser.add_argument("--model", default="qwen3_tts")
+    parser.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in s.split(",")), default=CONCURRENCY)
+    parser.add_argument("--max-frames", type=int, default=24)
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--client", default=None, metavar="URL", help=argparse.SUPPRESS)  # one client round
+    parser.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.client:
+        rows, wall = asyncio.run(_round(args.client, args.n, args.max_frames, args.seed))
+        print(json.dumps({"rows": rows, "wall_s": wall}))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    result = bench_serving(args.model, concurrency=args.concurrency, max_frames=args.max_frames,
+                           min_requests=args.min_requests)
+    print(serving_section(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
