@@ -10,6 +10,7 @@ from torch import nn
 
 from mtp_fsm import invariant
 
+from models.cpu_linear import PackedWeight, packed_linear
 from models.paged_attention import attend_paged
 from models.paged_kv import StepKV
 
@@ -25,11 +26,13 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, batch_invariant: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.batch_invariant = batch_invariant
+        self._packed = PackedWeight()  # large weights on a CPU: oneDNN over a packed copy (models.cpu_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # BLAS picks kernels by shape and CPU, so a row's bits would depend on the batch.
         if not self.batch_invariant:
-            return F.linear(x, self.weight, self.bias)
+            out = packed_linear(x, self.weight, self.bias, self._packed)
+            return F.linear(x, self.weight, self.bias) if out is None else out
         return invariant.linear(x, self.weight, self.bias)
 
 
