@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the clock of overheads, ratios and targets (both are recorded): cpu = the step thread's CPU "
                              "time, immune to other processes taking the core on a shared machine")
     parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e,audio (the sweep's per-design "
+                        help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e,audio,serving (the sweep's per-design "
                              "op counts: step_counts; the compiled engine design: compiled)")
     parser.add_argument("--models", default="",
                         help="comma list of talkers for the per-model step (short names or 'pkg.module:factory'; "
@@ -329,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
 
             log("speech out: engine frames/s with the codec decoder on and off, 16 requests:")
             results["audio"] = [bench_audio(m, requests=16, max_slots=16, repeats=3, out=log) for m in AUDIO_MODELS]
+        # -- online speech API (issue 29; bench/serving.py): results["serving"], its table appended to results.md
+        if "serving" not in skip:
+            from .serving import bench_serving
+
+            log("online API: client-side TTFA and streams/s through the embedded server at 1, 8, 32 concurrent:")
+            results["serving"] = bench_serving(out=log)
         results["wall_s"] = time.perf_counter() - started
         results["machine"]["loadavg_end"] = _loadavg()
         os.makedirs(args.out_dir, exist_ok=True)
@@ -336,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, f, indent=1, default=str)
         with open(os.path.join(args.out_dir, "results.md"), "w") as f:
             f.write(markdown_report(results))
+            if results.get("serving"):  # issue 29's serving table (bench/serving.py)
+                from .serving import serving_section
+
+                f.write("\n## Online API\n\n" + serving_section(results["serving"]) + "\n")
         plot_step_time(results, os.path.join(args.out_dir, "step_time.png"))
     log("")
     log(markdown_table(results))
@@ -345,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     if results.get("speculative"):
         log("")
         log(speculative_table(results["speculative"]))
+    if results.get("serving"):
+        from .serving import serving_section
+
+        log("")
+        log(serving_section(results["serving"]))
     log(f"wrote {args.out_dir}/results.json, results.md, step_time.png in {results['wall_s']:.0f} s")
     # Last, so a README without the bench markers (a clear error) costs no results.
     if os.path.exists(args.readme) and update_readme(args.readme, results):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -17,52 +17,18 @@ from .._util.threads import torch_threads
 log = logging.getLogger("mtp_fsm.bench.serving")  # not __name__: "__main__" under python -m
 CONCURRENCY = (1, 8, 32)
 TARGET_CONCURRENCY, TARGET_RATIO = 8, 1.5  # client TTFA p50 <= 1.5x the engine's own first-frame latency
-TEXTS = ("Hello there, how are you today?", "The quick brown fox jumps over the lazy dog.",
-         "Please turn left at the next corner.", "Trains to the airport leave every ten minutes.")
-
-
-async def _one(client, body: dict) -> dict:
-    """One streamed PCM request, timed at the client: sent -> first audio bytes -> last byte."""
-    sent = time.perf_counter()
-    first = None
-    size = 0
-    async with client.stream("POST", "/v1/audio/speech", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread())[:300]!r}")
-        rid = response.headers["x-request-id"]
-        async for chunk in response.aiter_bytes():
-            if chunk and first is None:
-                first = time.perf_counter()
-            size += len(chunk)
-    return {"id": rid, "ttfa_s": None if first is None else first - sent, "total_s": time.perf_counter() - sent,
-            "bytes": size}
 
 
 def _client_round(url: str, n: int, max_frames: int, seed: int) -> tuple[list[dict], float]:
-    """One round from a client process of its own: the server's threads (event loop, engine, decoder)
-    do not share a GIL with the client, as they would not in production."""
-    cmd = [sys.executable, "-m", "mtp_fsm.bench.serving", "--client", url, "--n", str(n),
-           "--max-frames", str(max_frames), "--seed", str(seed)]
+    """One round from a client process of its own (serving_client.py): the server's threads (event loop,
+    engine, decoder) do not share a GIL with the client, as they would not in production."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_client.py"), url, str(n),
+           str(max_frames), str(seed)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"the bench client failed ({done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result["rows"], result["wall_s"]
-
-
-async def _round(url: str, n: int, max_frames: int, seed: int) -> tuple[list[dict], float]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        bodies = [{"input": TEXTS[i % len(TEXTS)], "seed": seed + i, "max_new_tokens": max_frames, "stream": True,
-                   "response_format": "pcm"} for i in range(n)]
-        # n connections open and warm before the clock starts (keep-alive, as a serving client keeps them):
-        # TTFA is the server's, not TCP setup's or this process's first-request costs.
-        await asyncio.gather(*(client.get("/health") for _ in range(n)))
-        began = time.perf_counter()
-        rows = await asyncio.gather(*(_one(client, b) for b in bodies))
-        return rows, time.perf_counter() - began
 
 
 def bench_serving(model: str = "qwen3_tts", *, concurrency: Sequence[int] = CONCURRENCY, max_frames: int = 24,
@@ -86,7 +52,7 @@ def bench_serving(model: str = "qwen3_tts", *, concurrency: Sequence[int] = CONC
         app = build_embedded_app(backend, limits=Limits(max_new_tokens=max_frames, max_concurrent=max(concurrency)))
         rows = []
         with LoopbackServer(app) as server:
-            _client_round(server.url, 2, 4, seed)  # warm-up: first calls of every path
+            _client_round(server.url, 2, min(4, max_frames), seed)  # warm-up: first calls of every path
             for n in concurrency:
                 timed, rates = [], []
                 while len(timed) < max(min_requests, n):
@@ -137,15 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-frames", type=int, default=24)
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--json", default=None, help="also write the result here")
-    parser.add_argument("--client", default=None, metavar="URL", help=argparse.SUPPRESS)  # one client round
-    parser.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.client:
-        rows, wall = asyncio.run(_round(args.client, args.n, args.max_frames, args.seed))
-        print(json.dumps({"rows": rows, "wall_s": wall}))
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = bench_serving(args.model, concurrency=args.concurrency, max_frames=args.max_frames,
                            min_requests=args.min_requests)
     print(serving_section(result))
