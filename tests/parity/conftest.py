@@ -1,18 +1,33 @@
-"""Parity tests vs the official Qwen3-TTS: see parity_support.py (import setup) and test_qwen3_tts_parity.py.
+"""Parity tests of every talker vs its upstream (`make parity`): see parity_support.py.
 
-Importing parity_support registers the official package skeleton before the test modules are
-collected; the hook below prints the table of max differences every check recorded.
+Importing parity_support registers the official Qwen3-TTS package skeleton before the test
+modules are collected; the hook below prints Qwen3-TTS's table of max differences, then this
+run's per-talker table, and (PARITY_RESULTS set) writes the rows for parity_summary.py.
 """
 
 from __future__ import annotations
 
-from parity_support import DIFFS  # noqa: F401  (import side effect: the official package skeleton)
+import json
+import os
+
+from parity_summary import format_table
+from parity_support import DIFFS, RESULTS  # import side effect: the official package skeleton
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not DIFFS:
-        return
-    tr = terminalreporter
+    out = os.environ.get("PARITY_RESULTS")
+    if out:
+        with open(out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    if DIFFS:
+        _qwen3_tts_tables(terminalreporter)
+    if RESULTS:
+        terminalreporter.section("parity of this run, per talker")
+        for line in format_table(RESULTS)[0]:
+            terminalreporter.write_line(line)
+
+
+def _qwen3_tts_tables(tr) -> None:
     tr.section("Qwen3-TTS parity vs qwen-tts 0.1.1: max differences")
     tr.write_line("tensors: max |ours - official| and max |ours - official| / max(1, |official|) (<= 1e-5);")
     tr.write_line("codes and weights: frames (or values) differing, exact")

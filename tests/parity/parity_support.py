@@ -1,4 +1,4 @@
-"""Shared by the parity tests (imported by conftest.py and the test modules): parity against the official Qwen3-TTS (PyPI qwen-tts==0.1.1): import setup and the diff table.
+"""Shared by the parity tests (imported by conftest.py and the test modules): the official Qwen3-TTS's import setup (PyPI qwen-tts==0.1.1) and every talker's rows of the parity table.
 
 `make parity` installs qwen-tts with --no-deps into .venv-parity. Its talker lives in
 qwen_tts/core/models (configuration_qwen3_tts.py, modeling_qwen3_tts.py), which needs only
@@ -15,14 +15,21 @@ configuration_qwen3_tts.py and modeling_qwen3_tts.py included, is the installed 
 Without qwen_tts (the project's own venv, `make test`), nothing is registered and the test
 modules skip at import (`pytest.importorskip("qwen_tts")`).
 
-Each check records its max absolute difference in DIFFS; the table is printed at the end of the run.
+Each check records its max absolute difference in DIFFS (Qwen3-TTS's detail table) and, for every
+talker, a row in RESULTS: tensors (max |diff|, scaled, tolerance), greedy codes (frames identical of
+frames compared) and checkpoint loads (ok or not). conftest.py prints this run's rows and, under
+`make parity` (PARITY_RESULTS set), writes them to a JSON file; tests/parity/summary.py prints one
+table over the runs of every parity venv.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
+
+import pytest
 
 # what -> (max abs diff, max scaled diff or None, tolerance or None for an exact check)
 DIFFS: dict[str, tuple[float, float | None, float | None]] = {}
@@ -70,9 +77,77 @@ def _register_official_skeleton() -> None:
 _register_official_skeleton()
 
 
-def record(what: str, diff: float, scaled: float | None, tol: float | None) -> None:
+# Every talker's checks, in the order run: dicts with talker, what, kind ("tensor" | "greedy" |
+# "load"), diff / scaled / tol (tensor), same / total (greedy: frames identical of frames compared),
+# ok, note.
+RESULTS: list[dict] = []
+QWEN3_TTS = "Qwen3-TTS"
+
+
+def record(what: str, diff: float, scaled: float | None, tol: float | None, *, talker: str = QWEN3_TTS) -> None:
     """One row of the table: a tensor check (max |diff|, max |diff| / max(1, |official|), tolerance
     on the latter) or an exact one (scaled and tol None; diff = frames or values differing)."""
-    old = DIFFS.get(what)
-    if old is None or diff >= old[0]:
-        DIFFS[what] = (diff, scaled, tol)
+    if talker.startswith(QWEN3_TTS):
+        old = DIFFS.get(what)
+        if old is None or diff >= old[0]:
+            DIFFS[what] = (diff, scaled, tol)
+    if tol is not None:
+        record_tensor(talker, what, diff, scaled if scaled is not None else diff, tol)
+
+
+def record_tensor(talker: str, what: str, diff: float, scaled: float, tol: float, note: str = "") -> None:
+    RESULTS.append(dict(talker=talker, what=what, kind="tensor", diff=float(diff), scaled=float(scaled),
+                        tol=float(tol), ok=bool(scaled <= tol), note=note))
+
+
+def record_greedy(talker: str, what: str, same: int, total: int, note: str = "", *, divergence: str = "") -> None:
+    """Greedy codes: `same` leading frames identical of `total` compared (ok iff all). A
+    `divergence` names a known, intended difference the test asserted (the row is then a
+    documented one, listed apart from the identical runs, not a failure)."""
+    RESULTS.append(dict(talker=talker, what=what, kind="greedy", same=int(same), total=int(total),
+                        ok=bool(same == total or divergence), note=note, divergence=divergence))
+
+
+def record_load(talker: str, what: str, ok: bool, note: str = "") -> None:
+    RESULTS.append(dict(talker=talker, what=what, kind="load", ok=bool(ok), note=note))
+
+
+def leading_same(ours, ref) -> int:
+    """Frames identical from the start (rows of two [frames, codebooks] code tensors)."""
+    n = 0
+    for a, b in zip(ours, ref):
+        if not bool((a == b).all()):
+            break
+        n += 1
+    return n
+
+
+def close(talker: str, ours, ref, what: str, tol: float = 1e-5) -> float:
+    """Elementwise |ours - ref| <= tol * max(1, |ref|) (relative for large entries, absolute for
+    small ones), recorded as a tensor row; returns the max absolute difference."""
+    ours, ref = ours.detach().double(), ref.detach().double()
+    assert ours.shape == ref.shape, f"{talker} {what}: shape {tuple(ours.shape)} vs upstream {tuple(ref.shape)}"
+    diff = (ours - ref).abs()
+    worst = diff.max().item() if diff.numel() else 0.0
+    scaled = (diff / ref.abs().clamp(min=1.0)).max().item() if diff.numel() else 0.0
+    record_tensor(talker, what, worst, scaled, tol)
+    print(f"PARITY {talker} {what}: max abs diff {worst:.3e}, scaled {scaled:.3e} "
+          f"(upstream max |x| {ref.abs().max().item() if ref.numel() else 0:.3g})")
+    assert scaled <= tol, f"{talker} {what}: |diff| / max(1, |upstream|) reaches {scaled:.3e} > {tol:g}"
+    return worst
+
+
+def upstream_dir(name: str):
+    """An unpacked upstream wheel of this parity venv (the Makefile puts it under <venv>/upstream),
+    or a skip saying why: the main venv (`make test`) has none of them."""
+    from pathlib import Path
+
+    path = Path(sys.prefix) / "upstream" / name
+    if not path.is_dir():
+        pytest.skip(f"{name} not unpacked at {path}: a `make parity` venv holds it (this venv: {sys.prefix})",
+                    allow_module_level=True)
+    return path
+
+
+def in_parity_run() -> bool:
+    return bool(os.environ.get("PARITY_RESULTS"))

@@ -84,7 +84,7 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, what: str) -> float:
     assert ours.shape == ref.shape, (what, ours.shape, ref.shape)
     diff = float((ours - ref).abs().max()) if ours.numel() else 0.0
     scaled = diff / max(1.0, float(ref.abs().max()) if ref.numel() else 0.0)
-    record(what, diff, scaled, TOL)
+    record(what, diff, scaled, TOL, talker="Qwen3-TTS codec")
     print(f"PARITY {what}: max abs diff {diff:.3e} (official max |x| {float(ref.abs().max()):.3g})")
     assert scaled <= TOL, what
     return diff

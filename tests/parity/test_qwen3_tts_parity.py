@@ -50,7 +50,7 @@ import attrs
 import pytest
 import torch
 
-from parity_support import record  # registers the official package skeleton (see there)
+from parity_support import leading_same, record, record_greedy, record_load  # registers the official package skeleton (see there)
 
 pytest.importorskip("qwen_tts")
 official_config = pytest.importorskip("qwen_tts.core.models.configuration_qwen3_tts")
@@ -129,6 +129,7 @@ def same_codes(ours: torch.Tensor, ref: torch.Tensor, what: str, margin: float |
     n = min(len(ours), len(ref))
     mismatched = int((ours[:n] != ref[:n]).any(-1).sum()) + abs(len(ours) - len(ref))
     record(what, float(mismatched), None, None)
+    record_greedy("Qwen3-TTS", what, leading_same(ours, ref) if mismatched else len(ours), max(len(ours), len(ref)))
     print(f"PARITY {what}: {mismatched} of {max(len(ours), len(ref))} frames differ"
           + ("" if margin is None else f" (official CB0 top-2 margin >= {margin:.3g})")
           + ("" if not mismatched else f"; {first_divergence(ours, ref)}"))
@@ -653,6 +654,7 @@ def test_reverse_official_class_loads_our_checkpoint(ours_saved, tmp_path):
         f"official-only keys {sorted(set(theirs) - set(ours_state))}, ours-only {sorted(set(ours_state) - set(theirs))}")
     worst = max((theirs[k].double() - ours_state[k].double()).abs().max().item() for k in theirs)
     record("reverse: weights (max |diff| of any parameter)", worst, None, None)
+    record_load("Qwen3-TTS", "our checkpoint -> official from_pretrained: every tensor, bit-identical", worst == 0.0)
     assert worst == 0.0, f"weights differ after the official load by up to {worst:.3g}"
     for layout in (LAYOUTS[2], LAYOUTS[8], LAYOUTS[10]):  # speaker+language, instruct non-streaming, ICL
         sample = Sample.draw(layout, seed=5)
