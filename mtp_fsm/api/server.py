@@ -87,7 +87,10 @@ def serve_embedded(args: argparse.Namespace) -> int:
     app = build_embedded_app(backend, limits=limits_of(args), api_keys=args.api_key or (), model_names=(args.model,))
     log.info("mtp-fsm serve: %s on the embedded loop at http://%s:%d (POST /v1/audio/speech)", backend.talker_name,
              args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for; the shutdown itself is done
+        pass
     return 0
 
 
