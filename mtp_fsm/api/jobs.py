@@ -86,7 +86,7 @@ class JobRouter:
     A job is forgotten once its stream has ended (its end, plus the final audio chunk for audio)."""
 
     def __init__(self, decoder: CodecDecoder | None, frame_width: int, *, threaded: bool = True,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 first_chunk: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.frame_width = frame_width
         self._jobs: dict[str, SpeechJob] = {}
         self._lock = threading.Lock()  # the engine's thread, the decoder's thread and the event loop read _jobs
@@ -96,7 +96,7 @@ class JobRouter:
         self.audio: AudioStream | None = None
         if decoder is not None:
             self.audio = AudioStream(decoder, self._on_audio, frame_width=frame_width, threaded=threaded,
-                                     clock=clock, on_error=self._on_audio_error)
+                                     first_chunk=first_chunk, clock=clock, on_error=self._on_audio_error)
 
     @property
     def sample_rate(self) -> int | None:
@@ -163,7 +163,10 @@ class JobRouter:
                 job.push(FramesEvent(int(index[start]), codes[start:end].copy()))
                 if job.speech.wants_audio and self.audio is not None:
                     audio_rows.extend(range(start, end))
-                    if int(index[start]) == 0:
+                    # The step that completes the request's first chunk (lookahead + 1 frames) sends it to be
+                    # decoded: from then on its first audio is due (a decoder with lookahead has none before).
+                    first_chunk = self.audio.chunker.first_chunk
+                    if int(index[start]) < first_chunk <= int(index[end - 1]) + 1:
                         with self._lock:
                             self._first_pending.add(ids[start])
             start = end
