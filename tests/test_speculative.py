@@ -242,11 +242,17 @@ def test_every_reachable_edge_of_the_speculative_spec_fires(monkeypatch):
     walk of the rules agrees with the executor at every phase). `draft` / `mtp_fail` from
     `verifying` are declared because the compiler cannot know that draft_accepted is false
     at a row's last position; they are the two that can never fire."""
+    from mtp_fsm.engine.speculation import SpeculativeStep
     from mtp_fsm.kernels import reference
+    from mtp_fsm.testing.verify_loop import verify_position_by_position
 
     spec = lifecycle_for("speculative")
     fired: set = set()
     monkeypatch.setattr(reference, "run_phase", _edge_recorder(spec, fired))
+    # The engine evaluates every verify position at once (one table lookup per phase, no
+    # run_phase); the loop it equals (tests/kernels/test_verify_rows.py) walks them through
+    # run_phase, so the edges each position fires are seen.
+    monkeypatch.setattr(SpeculativeStep, "verify_positions", verify_position_by_position)
 
     class PoisonedDrafter(ScriptedTalker):  # the drafter of slot 1's rows returns NaN logits at frame 2+
         def draft(self, inputs, choose):

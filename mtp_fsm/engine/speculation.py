@@ -7,7 +7,7 @@ import attrs
 import torch
 
 from ..errors import ModelBindingError
-from ..kernels.contract import OUT_ERROR, OUT_NUM_COMPUTED, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, StepBatch
+from ..kernels.contract import OUT_ERROR, OUT_REASON, OUT_STATE, StepBatch
 from ..kernels.reference import in_class
 from ..lifecycle import CLASS_LIVE
 from ..model_api import ColumnSpec, DraftInputs
@@ -82,18 +82,6 @@ def draft_columns(lifecycle, num_drafts: int) -> dict[str, ColumnSpec]:
     return {DRAFT_TOKENS: ColumnSpec((num_drafts,), torch.int64)}
 
 
-def position_batch(batch: StepBatch, verify: torch.Tensor, j: int) -> StepBatch:
-    """The rows as verify position j's stages see them: a verify row has one token there
-    (its sample position is its j-th token); at j > 0 every other row is padding (a prefill
-    row samples once, at its last token, in position 0)."""
-    starts = batch.query_start_loc[:-1]
-    if j == 0:
-        return attrs.evolve(batch, num_scheduled=torch.where(verify, 1, batch.num_scheduled),
-                            last_token=torch.where(verify, starts, batch.last_token))
-    return attrs.evolve(batch, is_padding=batch.is_padding | ~verify, num_scheduled=torch.ones_like(batch.num_scheduled),
-                        last_token=torch.where(verify, starts + j, batch.last_token))
-
-
 class SpeculativeStep:
     """The device pipeline of the `speculative` lifecycle (see its docstring) with k drafts.
 
@@ -112,35 +100,44 @@ class SpeculativeStep:
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Returns the packed output [B * (k + 1), C], row-major: row b's verify positions in
         order, each holding the frame published there (if any); every position carries the
-        row's state, reason, error and frame count after the whole step."""
+        row's state, reason, error and frame count after the whole step.
+
+        The positions are rows: one head call and one draw over all B x (k + 1) of them, the
+        verify loop's stages over all positions at once (kernels' `verify_frames`), then the
+        drafter from each row's last accepted token."""
         k, kern, table, lc = self.num_drafts, self.kernels, self.table, self._lc
-        slot = batch.idx_mapping
+        slot, positions = batch.idx_mapping, k + 1
         owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
         start = table.num_computed[slot].clone()
         live = in_class(lc, table.state[slot], CLASS_LIVE)
-        verify = owned & live & (start >= table.prompt_len[slot]) & (batch.num_scheduled == k + 1)
-        drafts = table.extra[DRAFT_TOKENS][slot] if k else None
-        inputs, positions, token_slots = kern.compose_inputs(table, lc, batch, self._text_step)
+        verify = owned & live & (start >= table.prompt_len[slot]) & (batch.num_scheduled == positions)
+        # Only a verify row has drafts (a prefill row's column holds no draft for it).
+        drafts = table.extra[DRAFT_TOKENS][slot] if k else slot.new_zeros(slot.shape[0], 0)
+        inputs, token_positions, token_slots = kern.compose_inputs(table, lc, batch, self._text_step)
         if k:
             inputs = self._with_drafts(batch, verify, drafts, inputs)
-        hidden = self._forward(inputs, positions, token_slots)
-        packed = []
-        for j in range(k + 1):
-            sub = position_batch(batch, verify, j)
-            tokens = kern.sample_cb0(table, lc, sub, self._cb0_logits(hidden[sub.last_token]),
-                                     eos_token_id=self.spec.eos_token_id, allowed=self._allowed)
-            # Only a verify row has drafts (a prefill row's column holds no draft for it).
-            accepted = verify & (tokens == drafts[:, j]) if j < k else torch.zeros_like(owned)
-            codes = tokens[:, None]
-            packed.append(kern.publish_frames(table, lc, sub, codes, self._frame_embed(codes),
-                                              accepted=accepted.contiguous(), last=False))
-        self._propose(batch, owned, start, inputs, hidden, positions, token_slots)
-        out = torch.stack(packed, dim=1)
-        for column, values in ((OUT_STATE, table.state), (OUT_REASON, table.finish_reason),
-                               (OUT_ERROR, table.error), (OUT_NUM_FRAMES, table.num_frames),
-                               (OUT_NUM_COMPUTED, table.num_computed)):
+        hidden = self._forward(inputs, token_positions, token_slots)
+        packed = self.verify_positions(batch, verify, drafts, hidden)
+        self._propose(batch, owned, start, inputs, hidden, token_positions, token_slots)
+        out = packed.view(slot.shape[0], positions, -1)
+        # The drafter's stage may end a row: its columns after the whole step.
+        for column, values in ((OUT_STATE, table.state), (OUT_REASON, table.finish_reason), (OUT_ERROR, table.error)):
             out[:, :, column] = values[slot].to(out.dtype)[:, None]
-        return out.reshape(-1, out.shape[-1])
+        return packed
+
+    def verify_positions(self, batch: StepBatch, verify: torch.Tensor, drafts: torch.Tensor,
+                         hidden: torch.Tensor) -> torch.Tensor:
+        """The verify loop over the forward's hidden states: position j of a verify row samples
+        at its j-th token, any other row once, at its last. -> packed [B * (k + 1), C]."""
+        kern, positions = self.kernels, self.num_drafts + 1
+        offsets = torch.arange(positions, device=hidden.device)
+        rows_at = torch.where(verify[:, None], batch.query_start_loc[:-1, None] + offsets, batch.last_token[:, None])
+        logits = self._cb0_logits(hidden[rows_at.reshape(-1)])
+        eos = self.spec.eos_token_id
+        tokens, faults = kern.sample_positions(self.table, batch, verify, logits, drafts, eos_token_id=eos,
+                                               allowed=self._allowed)
+        embeds = self._frame_embed(tokens.reshape(-1, 1))
+        return kern.verify_frames(self.table, self._lc, batch, verify, tokens, faults, drafts, embeds, eos_token_id=eos)
 
     def _with_drafts(self, batch: StepBatch, verify: torch.Tensor, drafts: torch.Tensor,
                      inputs: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ from .contract import StepBatch, TextStep
 # Admission, events and replay run rarely; the MTP sampler is float work whose results must
 # stay bit-identical to the reference: these stay eager.
 from .reference import apply_admits, apply_host_events, mtp_sampler, replay_frames  # noqa: F401
+# Speculative verify positions: eager (their draw is the sampler's float work).
+from .verify import sample_positions, verify_frames  # noqa: F401
 
 # Only integer bookkeeping and copies are compiled (the lifecycle phases, the table writes,
 # the composed inputs): fused code computes them bit for bit like the eager ops. The sampler,

@@ -24,6 +24,8 @@ from ..sampling.params import sampler_facts
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 from .row_ops import PhaseResult, at, const, flag, in_class, owned_rows, put, record, run_phase  # noqa: F401
+# Speculative decoding's verify positions as rows (their own module: the stage functions' names).
+from .verify import sample_positions, verify_frames  # noqa: F401
 
 # Draw a frame's MTP noise in one pass (fewer, larger ops) up to this many elements.
 BATCHED_NOISE_ELEMENTS = 1 << 17  # measured: larger blocks fall out of cache and lose
