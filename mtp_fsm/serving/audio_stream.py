@@ -117,6 +117,7 @@ class AudioStream:
         self.decode_calls = 0
         self.windows = 0
         self._emitters: dict[str, _Emitter] = {}
+        self._batch: list[AudioChunk] | None = None  # chunks of the on_frames call in progress
         self._dropped: set[str] = set()  # aborted / failed, until their marker leaves the queue
         self._lock = threading.Lock()  # the dropped set and every hand-out to on_audio
         self._queue: queue.Queue | None = None
@@ -129,7 +130,16 @@ class AudioStream:
     # -- Sink ----------------------------------------------------------------------------
 
     def on_frames(self, step: int, frames: FrameBatch) -> None:
-        self.chunker.on_frames(step, frames)
+        # The step's chunks go to the worker as one item: woken by the first of several puts, it would
+        # decode that one alone and the rest in a second call (measured: 8 first chunks in two calls of
+        # 16 and 20 ms instead of one).
+        self._batch = []
+        try:
+            self.chunker.on_frames(step, frames)
+        finally:
+            batch, self._batch = self._batch, None
+            if batch:
+                self._put(("batch", batch))
 
     def on_finished(self, step: int, finished: FinishedRequest) -> None:
         rid = finished.request_id
@@ -175,7 +185,10 @@ class AudioStream:
     # -- worker --------------------------------------------------------------------------
 
     def _submit(self, chunk: AudioChunk) -> None:
-        self._put(("chunk", chunk))
+        if self._batch is not None:  # inside on_frames (the loop's thread): sent with the step's others
+            self._batch.append(chunk)
+        else:
+            self._put(("chunk", chunk))
 
     def _put(self, item) -> None:
         if self._queue is None:
@@ -205,6 +218,8 @@ class AudioStream:
                 return
 
     def _process(self, items: list) -> None:
+        items = [(kind, c) for kind, payload in items for c in (payload if kind == "batch" else (payload,))]
+        items = [("chunk" if kind == "batch" else kind, payload) for kind, payload in items]
         chunks = []
         for kind, payload in items:
             if kind != "chunk":
@@ -216,6 +231,10 @@ class AudioStream:
                     self._dropped.discard(payload.request_id)
         pcm = self._decode_all(chunks)
         for chunk in chunks:
+            if chunk.is_final and chunk.request_id in self._dropped:  # failed in this very call: it has ended
+                with self._lock:
+                    self._dropped.discard(chunk.request_id)
+                continue
             if chunk.request_id in pcm:
                 try:
                     self._hand_out(chunk, pcm[chunk.request_id].pop(0))
