@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from typing import Callable, Sequence
 
 from .._util.stats import percentile
@@ -103,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-frames", type=int, default=24)
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--json", default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = bench_serving(args.model, concurrency=args.concurrency, max_frames=args.max_frames,
                            min_requests=args.min_requests)
     print(serving_section(result))
