@@ -113,6 +113,10 @@ class BlockPool:
         per_position = sum(t[0, 0].numel() * t.element_size() for t in (*self.k, *self.v))
         return (self.max_slots + 1) * self.max_context * per_position
 
+    def holds(self, slot: int) -> bool:
+        """Whether the slot holds any block."""
+        return bool((self.table[slot] != ZERO_BLOCK).any())
+
     # ---- lifecycle
 
     def release(self, slots: list[int]) -> None:

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the clock of overheads, ratios and targets (both are recorded): cpu = the step thread's CPU "
                              "time, immune to other processes taking the core on a shared machine")
     parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e,audio,serving (the sweep's per-design "
+                        help="comma list of parts to skip: counts,breakdown,profile,models,speculative,e2e,audio,serving,real_size (the sweep's per-design "
                              "op counts: step_counts; the compiled engine design: compiled)")
     parser.add_argument("--models", default="",
                         help="comma list of talkers for the per-model step (short names or 'pkg.module:factory'; "
@@ -335,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
 
             log("online API: client-side TTFA and streams/s through the embedded server at 1, 8, 32 concurrent:")
             results["serving"] = bench_serving(out=log)
+        if "real_size" not in skip:
+            from .real_size import bench_real_size
+
+            log("real-size Qwen3-TTS talker (config_0_6b, random weights; issue 27):")
+            results["real_size"] = bench_real_size(log=log)
         results["wall_s"] = time.perf_counter() - started
         results["machine"]["loadavg_end"] = _loadavg()
         os.makedirs(args.out_dir, exist_ok=True)
@@ -364,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     # Last, so a README without the bench markers (a clear error) costs no results.
     if os.path.exists(args.readme) and update_readme(args.readme, results):
         log(f"updated the bench table in {args.readme}")
+    if results.get("real_size") and os.path.exists(args.readme):
+        from .real_size import update_readme as update_real_size
+
+        if update_real_size(args.readme, results["real_size"]):
+            log(f"updated the real-size table in {args.readme}")
     return 0
 
 

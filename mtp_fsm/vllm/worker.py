@@ -22,8 +22,9 @@ class FsmWorker(WorkerBase):
     `execute_model` runs each SchedulerOutput as one engine step (ScheduleMapper).
 
     KV accounting: one FullAttentionSpec per backbone layer with the talker's real KV shape,
-    and `determine_available_memory` reports exactly the engine's per-slot KV (every slot
-    holds `max_context` positions), so vLLM's blocks are the engine's memory; a smaller
+    and `determine_available_memory` reports at most the slot layout's KV (every slot holding
+    `max_context` positions). A paged talker's pool uses vLLM's block size and holds the blocks
+    of its running requests only (`mtp_fsm_kv_blocks`), as vLLM's block tables do; a smaller
     `num_gpu_blocks_override` makes vLLM preempt earlier, and the engine follows.
 
     Frames leave through `mtp_fsm_take_frames` (pull, via `collective_rpc`): per request,
@@ -43,6 +44,14 @@ class FsmWorker(WorkerBase):
         if self.model_config.max_model_len > talker.model.spec.max_context:
             raise ValueError(f"max_model_len {self.model_config.max_model_len} exceeds the talker's KV context "
                              f"{talker.model.spec.max_context} positions per slot")
+        # KV in vLLM's page size: one block of a paged talker's pool (models/paged_kv.py) is one vLLM
+        # block per layer, taken as positions are written (the engine's steps are not captured here).
+        configure = getattr(talker.model, "configure_kv", None)
+        if callable(configure):
+            configure(block_size=self._block_size(), reserve=False)
+        # peak: at the end of a step, before idle slots give theirs back (a slot vLLM preempted in
+        # this step frees its blocks only then); held: between steps, what the running requests hold.
+        self.kv_peak_blocks = self.kv_held_peak_blocks = 0
         # vLLM owns CUDA-graph capture of its steps: the engine's own decode graphs stay off.
         self.engine = LockstepEngine(talker.model, max_slots, kernels=config.kernels, device=self.device,
                                      decode_graphs="off")
@@ -88,11 +97,36 @@ class FsmWorker(WorkerBase):
 
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
         mapped = self.mapper.step(scheduler_output)
+        self._release_idle_kv()
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
             return EMPTY_MODEL_RUNNER_OUTPUT
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                  sampled_token_ids=[mapped.sampled.get(rid, []) for rid in req_ids])
+
+    def _release_idle_kv(self) -> None:
+        """A paged talker gets a slot's blocks back when the slot is next admitted; here they go back
+        as soon as the slot is free (its request ended or was preempted), as vLLM frees its blocks,
+        so the blocks held are those of the running requests: ceil(positions / block_size) each."""
+        pool = getattr(self.engine.model, "kv_pool", None)
+        if pool is None:
+            return
+        self.kv_peak_blocks = max(self.kv_peak_blocks, pool.blocks_in_use)
+        in_use = self.engine.ledger.allocator.in_use()
+        idle = [s for s in range(self.engine.max_slots) if s not in in_use and pool.holds(s)]
+        if idle:
+            self.engine.model.reset_slots(torch.tensor(idle, dtype=torch.int64, device=self.device))
+        self.kv_held_peak_blocks = max(self.kv_held_peak_blocks, pool.blocks_in_use)
+
+    def mtp_fsm_kv_blocks(self) -> dict:
+        """The talker's KV in vLLM's terms: block size, blocks held now, their peaks (see load_model),
+        and vLLM's own block count (None for a talker without a paged pool)."""
+        pool = getattr(self.engine.model, "kv_pool", None)
+        vllm_blocks = getattr(getattr(self, "kv_cache_config", None), "num_blocks", None)
+        if pool is None:
+            return {"block_size": None, "in_use": None, "peak": None, "held_peak": None, "vllm_num_blocks": vllm_blocks}
+        return {"block_size": pool.block_size, "in_use": pool.blocks_in_use, "peak": self.kv_peak_blocks,
+                "held_peak": self.kv_held_peak_blocks, "vllm_num_blocks": vllm_blocks}
 
     def take_draft_token_ids(self):
         return None

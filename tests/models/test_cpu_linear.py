@@ -1,0 +1,57 @@
+"""models/cpu_linear.py: the packed oneDNN linear equals F.linear to float rounding, follows weight
+changes, and leaves small weights, autograd and the batch-invariant path alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.cpu_linear import MIN_PACKED_NUMEL, PackedWeight, packed_linear
+from models.qwen3_tts.layers import Linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 40), lead=st.integers(1, 3), out_features=st.sampled_from([1024, 1536, 2048]),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_packed_equals_f_linear(rows, lead, out_features, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, 1024, generator=gen) / 32
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(lead, rows, 1024, generator=gen)
+    with torch.no_grad():
+        got = packed_linear(x, weight, b, PackedWeight())
+    assert got is not None and got.shape == (lead, rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_copy_follows_the_weight():
+    layer = Linear(1024, 1024, True).requires_grad_(False)
+    x = torch.randn(3, 1024)
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(2)  # in place: the version counter moves
+        layer.bias.zero_()
+        second = layer(x)
+        torch.testing.assert_close(second, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        layer.load_state_dict({"weight": torch.eye(1024), "bias": torch.ones(1024)})
+        torch.testing.assert_close(layer(x), x + 1, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(first, second)
+
+
+def test_small_weights_autograd_and_batch_invariant_keep_their_paths():
+    small = torch.randn(64, 32)
+    assert small.numel() < MIN_PACKED_NUMEL
+    with torch.no_grad():
+        assert packed_linear(torch.randn(2, 32), small, None, PackedWeight()) is None
+    big = torch.randn(1024, 1024, requires_grad=True)
+    assert packed_linear(torch.randn(2, 1024), big, None, PackedWeight()) is None  # grad enabled
+    layer = Linear(1024, 1024, False, batch_invariant=True).requires_grad_(False)
+    x = torch.randn(1, 1024)
+    with torch.no_grad():
+        alone, batched = layer(x), layer(torch.cat([x, torch.randn(5, 1024)]))[:1]
+    assert torch.equal(alone, batched) and layer._packed._key is None
