@@ -1,6 +1,7 @@
-"""The steady decode batch: a plan whose rows equal the last validated ones is checked and
-staged on arrays (no Python loop over its rows). It must behave exactly like a fresh plan:
-same frames, and the same refusals (naming the request) once something changed."""
+"""The steady decode batch: a plan whose rows equal the ones the step inputs hold as loaded is
+checked on arrays and runs as loaded (no Python loop over its rows, no upload). It must behave
+exactly like a fresh plan: same frames, and the same refusals (naming the request) once
+something changed."""
 
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ def test_a_reused_plan_publishes_what_fresh_plans_publish_and_takes_the_steady_p
     outs = {"reused": [prefill(reused)], "fresh": [prefill(fresh)]}
     plan = StepPlan(rows=[Span(f"r{i}", 1) for i in (0, 2)] + [None])  # r1 ends by EOS at frame 4
     built = []
-    steady_of = reused.ledger._steady_of
-    reused.ledger._steady_of = lambda rows: built.append(rows) or steady_of(rows)
+    load = reused.ledger.inputs.load
+    reused.ledger.inputs.load = lambda rows, *a: built.append(rows) or load(rows, *a)
     for _ in range(6):
         outs["reused"].append(reused.step(plan))
         outs["fresh"].append(fresh.step(StepPlan(rows=[Span("r0", 1), Span("r2", 1), None])))
     assert frames_of(outs["reused"]) == frames_of(outs["fresh"])
-    assert len(built) == 1 and reused.ledger._steady.staged is not None  # validated once, then on arrays
+    assert len(built) == 1 and reused.ledger.inputs.loaded.steady  # validated and loaded once, then held
 
 
 def test_the_steady_path_still_refuses_a_changed_request_by_name():

@@ -5,11 +5,11 @@ from __future__ import annotations
 import weakref
 
 from ..errors import AdmissionError
-from ..model_api import PreparedPrompt, TalkerModel
+from ..model_api import ModelSpec, PreparedPrompt, TalkerModel
 from ..sampling.params import MAX_COUNT, SamplingParams
 from ..sampling.topp import MAX_VOCAB_FIXED
-from .staging import min_frames_of, sampling_of
 from .plan import NewRequest
+from .records import RequestRecord
 
 
 class Admission:
@@ -105,3 +105,24 @@ class Admission:
                 "(at least one position is needed to produce a frame)",
             )
         return prepared
+
+
+def sampling_of(spec: ModelSpec, request) -> tuple[SamplingParams, SamplingParams]:
+    """(CB0, MTP) sampling a request runs with: the model's own where it fixes them
+    (spec.cb0_sampling / mtp_sampling, e.g. MOSS's audio sampling), else the request's; the
+    CB0 repetition penalty resolved (None -> the model's default)."""
+    cb0 = (spec.cb0_sampling or request.cb0_sampling).with_penalty(spec.repetition_penalty)
+    return cb0, spec.mtp_sampling or request.mtp_sampling
+
+
+def min_frames_of(spec: ModelSpec, request) -> int:
+    """Frames a request publishes before CB0 EOS may be sampled (None -> the model's default)."""
+    return spec.min_frames if request.min_frames is None else request.min_frames
+
+
+def resolved(spec: ModelSpec, record: RequestRecord) -> tuple[SamplingParams, SamplingParams]:
+    """The record's (CB0, MTP) sampling, resolved once per request (with its min_frames)."""
+    if record.sampling is None:
+        record.sampling = sampling_of(spec, record.request)
+        record.min_frames = min_frames_of(spec, record.request)
+    return record.sampling

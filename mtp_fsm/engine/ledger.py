@@ -22,8 +22,9 @@ from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, StepPlan
 from .admission import Admission
 from .records import RequestRecord, RequestTable
-from .staging import RowBatches, stage_admits, upload
-from .plan_checks import PlanChecks, StagedRows, SteadyRows
+from .staging import stage_admits, upload
+from .plan_checks import PlanChecks
+from .step_inputs import StepInputs
 
 
 @attrs.define
@@ -71,14 +72,15 @@ class Ledger(PlanChecks):
         self._next_serial = 1
         self._resuming: set[str] = set()
         self.admission = Admission(model, deferred=oracle.spec.deferred)
-        self._batches = RowBatches(table, self.spec, decode_width)
+        # The rows each step hands the device, in persistent buffers (one upload per step).
+        self.inputs = StepInputs(table.max_slots, self.spec, table.device, decode_width)
         self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
         # The one owner of every request's state and counters on the host (records view it).
         self.rows = RequestTable(table.max_slots + 1)
-        # Bumped whenever a request gains or loses a record or a slot: a steady batch's cache
-        # (validation and staging of identical rows) is valid only within one generation.
+        # Bumped whenever a request gains or loses a record or a slot: rows held as loaded by
+        # the step inputs are the steady batch (checked on arrays) only within one generation.
         self.generation = 0
-        self._steady: SteadyRows | None = None
+        self._rows_steady = False  # set by validation: the plan's rows may be reused as loaded
 
     def record(self, request_id: str, what: str) -> RequestRecord:
         """The record of a known request; UnknownRequestError saying what was attempted."""
@@ -191,24 +193,16 @@ class Ledger(PlanChecks):
                 upload(torch.tensor(ev_triggers, dtype=torch.int64), device),
                 upload(torch.tensor(ev_reasons, dtype=torch.int32), device),
             )
-        admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT))
-        steady = self._steady if self._steady is not None and self._steady.matches(plan.rows, self.generation) else None
-        if steady is not None and steady.staged is not None:
-            s = steady.staged
-            row_records, batch, slots_np, query_start_loc, row_ids, row_ids_np = (
-                s.records, s.batch, s.slots_np, s.query_start_loc, s.row_ids, s.row_ids_np)
-        else:
-            row_records = [None if s is None else self.records[s.request_id] for s in plan.rows]
-            counts = [0 if s is None else s.num_tokens for s in plan.rows]
-            batch, slots_np, query_start_loc = self._batches.build(row_records, counts)
-            row_ids = tuple(None if s is None else s.request_id for s in plan.rows)
-            row_ids_np = np.array(row_ids, dtype=object)
-            if steady is not None:
-                steady.staged = StagedRows(row_records, counts, batch, slots_np, query_start_loc, row_ids, row_ids_np)
+        admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT)) if admitted else (None, None)
+        # The steady decode batch is held as loaded: no per-row Python, no upload.
+        rows = self.inputs.holds(plan.rows, self.generation) or self.inputs.load(
+            plan.rows, [None if s is None else self.records[s.request_id] for s in plan.rows], self.generation,
+            self._rows_steady)
+        slots_np = rows.slots_np
         verify_np = self._verify_rows(slots_np)
         return HostStep(
-            events, admits, replay, batch, row_records, row_ids, slots_np, slots_np == self.table.max_slots, ended, admitted,
-            tuple(plan.preempts), query_start_loc, verify_np, row_ids_np,
+            events, admits, replay, rows.batch, rows.records, rows.row_ids, slots_np, rows.tokens_np == 0, ended,
+            admitted, tuple(plan.preempts), rows.query_start_loc, verify_np, rows.row_ids_np,
         )
 
     def _verify_rows(self, slots: np.ndarray) -> np.ndarray | None:

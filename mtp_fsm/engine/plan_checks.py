@@ -1,11 +1,10 @@
 """Plan validation, all-or-nothing, for the host ledger: every host trigger through the
 lifecycle's machine, every row against the request table (vectorised; the steady decode
-batch, a plan whose rows equal the last validated one, on arrays alone), and a message
-naming the request, its state and what is wrong when anything fails."""
+batch, the rows the step inputs hold as loaded, on arrays alone), and a message naming the
+request, its state and what is wrong when anything fails."""
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 
 from ..errors import DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError
@@ -14,47 +13,9 @@ from .plan import Span, StepPlan
 from .records import RequestRecord
 
 
-@attrs.frozen
-class StagedRows:
-    """The host staging of a steady batch's rows (Ledger.stage), reused while it stays steady."""
-
-    records: list  # RequestRecord | None per row
-    counts: list  # tokens per row
-    batch: object  # the StepBatch on the device
-    slots_np: np.ndarray
-    query_start_loc: object  # host tensor
-    row_ids: tuple
-    row_ids_np: np.ndarray
-
-
-@attrs.define
-class SteadyRows:
-    """What validating and staging `rows` produced, reused while `generation` (bumped by
-    every admission, release, abort, preemption, resume and failed step) is unchanged: then
-    the same request ids hold the same records and slots, and a decode row stays one."""
-
-    rows: tuple
-    generation: int
-    slots: np.ndarray  # int64 [B], the rows' slots (scratch for padding)
-    tokens: np.ndarray  # int64 [B], tokens per row (0 for padding)
-    real: np.ndarray  # bool [B], not padding
-    staged: StagedRows | None = None
-
-    def matches(self, rows: tuple, generation: int) -> bool:
-        return generation == self.generation and rows == self.rows
-
-    def states_ok(self, slot_state: np.ndarray, is_live: np.ndarray, is_terminal: np.ndarray,
-                  decode_width: int) -> bool:
-        """Every real row is live with a decode row's width, or ended with one overrun token."""
-        state = slot_state[self.slots[self.real]]
-        tokens = self.tokens[self.real]
-        live, terminal = is_live[state], is_terminal[state]
-        return bool(np.all(np.where(live, tokens == decode_width, terminal & (tokens == 1))))
-
-
 class PlanChecks:
-    """The Ledger's validation half (a mixin: it reads the ledger's records, slot mirror,
-    oracle, allocator and admission, and changes nothing but the steady-batch cache)."""
+    """The Ledger's validation half (a mixin: it reads the ledger's records, request table,
+    oracle, allocator, admission and step inputs, and changes nothing but `_rows_steady`)."""
 
     def _check_host_trigger(self, record: RequestRecord, trigger: Trigger) -> None:
         if not self.oracle.may(record, trigger):
@@ -120,14 +81,16 @@ class PlanChecks:
 
     def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], prepared: dict) -> None:
         """Rows of requests that already hold a slot are checked vectorised against the
-        mirror (the steady-state decode batch); anything else, or any row that fails, goes
-        through the per-span check, which names the request and what is wrong. Rows equal
-        to the last steady batch's, in the same generation, are checked on arrays alone."""
-        steady, special = self._steady, gone or self._resuming or prepared
-        if not special and steady is not None and steady.matches(rows, self.generation) and steady.states_ok(
-                self.rows.state, self._is_live, self._is_terminal, self.decode_width):
+        request table; anything else, or any row that fails, goes through the per-span check,
+        which names the request and what is wrong. The steady decode batch (the rows the step
+        inputs hold as loaded, in the same generation) is checked on arrays alone.
+        Sets `_rows_steady`: every row decodes or overruns and the plan has no host event."""
+        special = gone or self._resuming or prepared
+        held = None if special else self.inputs.holds(rows, self.generation)
+        if held is not None and self._states_ok(held.slots_np, held.tokens_np):
+            self._rows_steady = True
             return
-        self._steady = None
+        self._rows_steady = False
         spans = [s for s in rows if s is not None]
         special = gone | self._resuming | prepared.keys()
         records = [self.records.get(s.request_id) for s in spans]
@@ -148,8 +111,7 @@ class PlanChecks:
             bad.update(simple[i] for i in np.flatnonzero(wrong))
             if len(np.unique(slots)) != len(slots):
                 bad.update(simple)  # a request in two rows: let the slow path name it
-            if not bad and not special and (remaining <= 0).all():  # every row decodes or overruns
-                self._steady = self._steady_of(rows)
+            self._rows_steady = not bad and not special and bool((remaining <= 0).all())
         seen: set[str] = set()
         for i, span in enumerate(spans):
             if i in bad:
@@ -159,11 +121,12 @@ class PlanChecks:
             else:
                 seen.add(span.request_id)
 
-    def _steady_of(self, rows: tuple[Span | None, ...]) -> SteadyRows:
-        scratch = self.table.max_slots
-        slots = np.array([scratch if s is None else self.records[s.request_id].slot for s in rows], dtype=np.int64)
-        tokens = np.array([0 if s is None else s.num_tokens for s in rows], dtype=np.int64)
-        return SteadyRows(rows, self.generation, slots, tokens, np.array([s is not None for s in rows], dtype=bool))
+    def _states_ok(self, slots: np.ndarray, tokens: np.ndarray) -> bool:
+        """Every real row (tokens > 0) is live with a decode row's width, or ended with one overrun token."""
+        real = tokens > 0
+        state = self.rows.state[slots[real]]
+        live, terminal = self._is_live[state], self._is_terminal[state]
+        return bool(np.all(np.where(live, tokens[real] == self.decode_width, terminal & (tokens[real] == 1))))
 
     def _validate_span(self, span: Span, gone: set[str], seen: set[str], prepared: dict) -> None:
         rid = span.request_id

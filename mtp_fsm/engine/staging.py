@@ -1,37 +1,14 @@
-"""Host staging of a step's device inputs: admitted rows' values, replayed frames, rows."""
+"""Host staging of admissions: the values admitted rows start from and the frames resumed rows replay."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ..kernels.contract import ReplayFrames, StagedAdmits, StepBatch
+from ..kernels.contract import ReplayFrames, StagedAdmits
 from ..model_api import ModelSpec
-from ..sampling import SamplingParams
-from ..sampling.params import sampler_facts
 from ..slots import SlotTable
+from .admission import resolved
 from .records import RequestRecord
-
-
-def sampling_of(spec: ModelSpec, request) -> tuple[SamplingParams, SamplingParams]:
-    """(CB0, MTP) sampling a request runs with: the model's own where it fixes them
-    (spec.cb0_sampling / mtp_sampling, e.g. MOSS's audio sampling), else the request's; the
-    CB0 repetition penalty resolved (None -> the model's default)."""
-    cb0 = (spec.cb0_sampling or request.cb0_sampling).with_penalty(spec.repetition_penalty)
-    return cb0, spec.mtp_sampling or request.mtp_sampling
-
-
-def min_frames_of(spec: ModelSpec, request) -> int:
-    """Frames a request publishes before CB0 EOS may be sampled (None -> the model's default)."""
-    return spec.min_frames if request.min_frames is None else request.min_frames
-
-
-def resolved(spec: ModelSpec, record: RequestRecord) -> tuple[SamplingParams, SamplingParams]:
-    """The record's (CB0, MTP) sampling, resolved once per request (with its min_frames)."""
-    if record.sampling is None:
-        record.sampling = sampling_of(spec, record.request)
-        record.min_frames = min_frames_of(spec, record.request)
-    return record.sampling
 
 
 def _home(tensors, device: torch.device) -> torch.device:
@@ -118,84 +95,3 @@ def stage_admits(table: SlotTable, spec: ModelSpec, admitted: list[RequestRecord
         for r, _ in replays:
             r.replay_codes = None
     return StagedAdmits(slots, staged, trigger), replay
-
-
-class RowBatches:
-    """build_batch, keeping the last batch: a step whose rows, owners (slot, serial) and
-    token counts equal the previous step's, the steady decode batch, reuses its device
-    tensors and sampler facts (a request's parameters never change) instead of rebuilding
-    them: no tensor construction and no host-to-device copy for an unchanged batch."""
-
-    def __init__(self, table: SlotTable, spec: ModelSpec, decode_width: int = 1) -> None:
-        self.table, self.spec, self.decode_width = table, spec, decode_width
-        self._key: tuple | None = None
-        self._built: tuple[StepBatch, np.ndarray, torch.Tensor] | None = None
-
-    def build(self, records: list[RequestRecord | None], counts: list[int]):
-        """(StepBatch, slot per row as numpy, query_start_loc on the host)."""
-        key = (tuple(None if r is None else (r.slot, r.serial) for r in records), tuple(counts))
-        if key != self._key or self._built is None:
-            self._built = build_batch(self.table, self.spec, records, counts, self.decode_width)
-            self._key = key
-        return self._built
-
-
-def _to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Host int64 vectors as device views of one buffer: one host-to-device copy (from pinned
-    memory, so it does not block) instead of one per vector. Elsewhere each vector is moved
-    as it is (on the CPU a no-op, which the bench's copy counter reads as the upload a GPU makes)."""
-    if device.type != "cuda":
-        return {name: t.to(device) for name, t in host.items()}
-    names = list(host)
-    flat = torch.cat([host[n] for n in names]).pin_memory()
-    moved = flat.to(device, non_blocking=True)
-    return dict(zip(names, torch.split(moved, [host[n].numel() for n in names])))
-
-
-def build_batch(
-    table: SlotTable, spec: ModelSpec, records: list[RequestRecord | None], counts: list[int], decode_width: int = 1,
-) -> tuple[StepBatch, np.ndarray, torch.Tensor]:
-    """The StepBatch for rows in order (None = padding, mapped to the scratch row), the
-    slot per row (numpy) and query_start_loc on the host."""
-    scratch = table.max_slots
-    starts = [0]
-    for n in counts:
-        starts.append(starts[-1] + n)
-    device = table.device
-    idx = [scratch if r is None else r.slot for r in records]
-    token_rows = torch.repeat_interleave(torch.arange(len(records)), torch.tensor(counts, dtype=torch.int64))
-    qsl = torch.tensor(starts, dtype=torch.int64)
-    live = [resolved(spec, r) for r in records if r is not None]
-    # Host-known sampler facts (no device read): the largest top_k and whether any row uses top-p.
-    cb0_k_max, cb0_top_p, cb0_k_min = sampler_facts(cb0 for cb0, _ in live)
-    cb0_penalty = any(cb0.penalises for cb0, _ in live)
-    min_frames = any(r.min_frames > 0 for r in records if r is not None)
-    mtp_k_max, mtp_top_p, mtp_k_min = sampler_facts(mtp for _, mtp in live)
-    rows = _to_device({
-        "idx_mapping": torch.tensor(idx, dtype=torch.int64),
-        "is_padding": torch.tensor([r is None for r in records], dtype=torch.int64),
-        "expected_serial": torch.tensor([0 if r is None else r.serial for r in records], dtype=torch.int64),
-        "num_scheduled": torch.tensor(counts, dtype=torch.int64),
-        "query_start_loc": qsl,
-        "token_rows": token_rows,
-        "token_offsets": torch.arange(starts[-1]) - qsl[token_rows],
-        "last_token": (qsl[1:] - 1).clamp(min=0),
-    }, device)
-    rows["is_padding"] = rows["is_padding"].bool()
-    batch = StepBatch(
-        **rows,
-        cb0_filters=cb0_k_max > 0 or cb0_top_p,
-        mtp_filters=mtp_k_max > 0 or mtp_top_p,
-        cb0_top_k_max=cb0_k_max,
-        cb0_any_top_p=cb0_top_p,
-        mtp_top_k_max=mtp_k_max,
-        mtp_any_top_p=mtp_top_p,
-        cb0_top_k_min=cb0_k_min,
-        mtp_top_k_min=mtp_k_min,
-        cb0_penalty=cb0_penalty,
-        cb0_min_frames=min_frames,
-        decode_width=decode_width,
-        has_prefill=any(r is not None and r.in_prefill for r in records),
-        tokens_are_rows=all(n == 1 for n in counts),
-    )
-    return batch, np.array(idx, dtype=np.int64), qsl
