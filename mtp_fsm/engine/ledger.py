@@ -22,9 +22,8 @@ from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, StepPlan
 from .admission import Admission
 from .records import RequestRecord, RequestTable
-from .staging import stage_admits, upload
 from .plan_checks import PlanChecks
-from .step_inputs import StepInputs
+from .step_inputs import StepInputs, stage_admits, stage_events
 
 
 @attrs.define
@@ -185,14 +184,7 @@ class Ledger(PlanChecks):
         for record in admitted:
             record.attach(self.allocator.allocate())
             record.serial, self._next_serial = self._next_serial, self._next_serial + 1
-        events = None
-        if ev_slots:
-            device = self.table.device
-            events = StagedEvents(
-                upload(torch.tensor(ev_slots, dtype=torch.int64), device),
-                upload(torch.tensor(ev_triggers, dtype=torch.int64), device),
-                upload(torch.tensor(ev_reasons, dtype=torch.int32), device),
-            )
+        events = stage_events(ev_slots, ev_triggers, ev_reasons, self.table.device) if ev_slots else None
         admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT)) if admitted else (None, None)
         # The steady decode batch is held as loaded: no per-row Python, no upload.
         rows = self.inputs.holds(plan.rows, self.generation) or self.inputs.load(

@@ -70,7 +70,7 @@ class RequestRecord:
         # Conditioning rows received so far (host copy: a resumed request re-uploads them).
         self.feed: torch.Tensor | None = prepared.feed
         self.feed_done = bool(prepared.feed_done)
-        # What the rows run with, resolved against the model once (staging.resolved).
+        # What the rows run with, resolved against the model once (admission.resolved).
         self.sampling: tuple | None = None
         self.min_frames = 0
 
