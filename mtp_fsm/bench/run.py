@@ -24,6 +24,7 @@ import torch
 from .._util.stats import percentile
 from .._util.threads import torch_threads
 from .step_counts import constant_in_batch, engine_counts_by_batch
+from .decode_path import decode_path
 from .drivers import DRIVERS, EXTRA_DRIVERS, make_requests
 from .null_model import NullInputs, NullTalker, lifecycle_config, qwen3_tts_sizes
 from .report import markdown_report, markdown_table, models_table, plot_step_time, update_readme
@@ -294,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg, args.batch_sizes, designs, budget_s=args.budget, naive_max_batch=args.naive_max_batch,
             count="step_counts" not in skip, log=log)}
         results["targets"] = evaluate_targets(results) + evaluate_targets(results, "engine_compiled")
+        results["decode_path"] = path = decode_path()
+        results["targets"].append(_target(
+            "one steady decode step (engine.step, torch path) reads <= 10 files and <= 1800 lines",
+            {"files": path["num_files"], "lines": path["lines"]}, "<= 10 files, <= 1800 lines",
+            path["num_files"] <= 10 and path["lines"] <= 1800,
+            f"{path['num_files']} files, {path['lines']} lines: " + ", ".join(
+                f"{name} {f['lines']}" for name, f in path["files"].items())))
+        log(f"one decode step's code: {results['targets'][-1]['detail']}")
         if "breakdown" not in skip:
             log("where the naive designs' time goes:")
             results["naive_breakdown"] = run_naive_breakdown(

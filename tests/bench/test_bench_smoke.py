@@ -219,3 +219,16 @@ def test_the_speech_out_section_judges_the_lowest_ratio():
     slow = dict(row, model="higgs_audio_v3", frames_per_s_on=80.0, ratio=0.8)
     text = audio_section([row, slow])
     assert "**missed** (lowest 0.800)" in text and "| higgs_audio_v3 | 100.0 | 80.0 | 0.800 |" in text
+
+
+def test_decode_path_counts_the_library_files_one_decode_step_calls_into():
+    from mtp_fsm.bench.decode_path import decode_path
+
+    path = decode_path(batch=2)
+    files = path["files"]
+    # The step's own layers are seen; the bench's NullTalker and drivers are not the library's code.
+    for needed in ("mtp_fsm/engine/engine.py", "mtp_fsm/engine/step_inputs.py", "mtp_fsm/sampling/sampler.py"):
+        assert files[needed]["calls"] >= 1, needed
+    assert not any(name.startswith("mtp_fsm/bench/") for name in files)
+    assert "mtp_fsm/engine/admission.py" not in files  # a steady decode step admits nothing
+    assert path["num_files"] == len(files) and path["lines"] == sum(f["lines"] for f in files.values())
