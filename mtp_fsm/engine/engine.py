@@ -23,9 +23,8 @@ from ..slots import SlotTable
 from .debug_checks import DebugChecks
 from .decode_graphs import DEFAULT_BUCKETS, DecodeGraphs, resolve_mode
 from .feed import ConditioningFeed
-from .model_calls import ModelFault, frame_embed_of_words, model_call
 from .ledger import HostStep, Ledger
-from .pipeline import DevicePipeline, deferred_columns
+from .pipeline import DevicePipeline, ModelFault, deferred_columns, frame_embed_of_words, model_call
 from .plan import FinishedRequest, FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
 from .speculation import SpeculationStats, SpeculativeStep, check_speculation, draft_columns

@@ -1,5 +1,6 @@
 """The device pipeline of one step over its rows, in the lifecycle's phase order: current-step
-(forward, sample, MTP, publish) or deferred (MTP of the pending frame, publish, forward, sample)."""
+(forward, sample, MTP, publish) or deferred (MTP of the pending frame, publish, forward, sample),
+and the model's entry points as it calls them (exceptions wrapped as ModelFault)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_NUM_COMPUTED, OUT_REASON, OUT_STATE, StepBatch
-from ..model_api import ColumnSpec, ModelSpec
+from ..model_api import ColumnSpec, ModelSpec, TalkerModel
 from .frame_formats import frame_format
 
 # Engine-owned slot columns of the deferred schedule: what the sampling step leaves for the
@@ -21,6 +22,38 @@ def deferred_columns(spec: ModelSpec, lifecycle) -> dict[str, ColumnSpec]:
         return {}
     width = spec.forward_width or spec.hidden_size
     return {DEFERRED_HIDDEN: ColumnSpec((width,), spec.dtype), DEFERRED_CB0: ColumnSpec((), torch.int64)}
+
+
+class ModelFault(Exception):
+    """A model call raised inside a step (wraps the model's own exception)."""
+
+
+def frame_embed_of_words(frame_embed, spec):
+    """frame_embed over the engine's frame rows: a model with a payload gets the payload
+    decoded from the row's words (its codes are the engine's bookkeeping)."""
+    if spec.payload is None:
+        return frame_embed
+    first, payload = spec.num_codebooks, spec.payload
+
+    def embed(words: torch.Tensor) -> torch.Tensor:
+        return frame_embed(payload.decode(words[:, first:]))
+
+    return embed
+
+
+def model_call(model: TalkerModel, name: str):
+    """A model entry point whose exceptions become ModelFault, so step() can end that step's
+    requests while a kernel bug still surfaces as itself. The method is looked up at each
+    call (profilers and tests may wrap the model's methods after the engine is built)."""
+
+    def call(*args, **kwargs):
+        try:
+            return getattr(model, name)(*args, **kwargs)
+        except Exception as exc:
+            raise ModelFault(exc) from exc
+
+    call.__name__ = name
+    return call
 
 
 class DevicePipeline:

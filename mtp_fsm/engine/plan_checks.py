@@ -68,7 +68,7 @@ class PlanChecks:
                 raise DuplicateRequestError(rid, "a request with this id is already in the engine", known.state.label)
             prepared[rid] = self.admission.admissible(req)
         wanted = len(plan.resumes) + len(plan.new_requests)
-        available = self.allocator.num_free + freed
+        available = self.allocator.num_free + freed if wanted else 0
         if wanted > available:
             late = [*plan.resumes, *(r.request_id for r in plan.new_requests)][available]
             raise SlotTableFullError(

@@ -107,7 +107,9 @@ class Scheduler:
         gone = set(aborts)
         releases = tuple(ids[i] for i in np.flatnonzero(terminal).tolist() if ids[i] not in gone)
         running = [i for i in order[live[order]].tolist() if ids[i] not in gone]
-        free = ledger.allocator.num_free + len(releases) + sum(records[rid].slot is not None for rid in aborts)
+        # Free slots, from the table just read: every slot not held by a request.
+        free = ledger.table.max_slots - int(holds.sum())
+        free += len(releases) + sum(records[rid].slot is not None for rid in aborts)
         # Requests resting with a slot (starved: waiting for conditioning rows) are preempted
         # first under pressure: they hold a slot and compute nothing.
         resting = [i for i in order[(holds & ~live & ~terminal)[order]].tolist()
