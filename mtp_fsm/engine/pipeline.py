@@ -72,7 +72,10 @@ class DevicePipeline:
         self._allowed, self.device = allowed, device
         self.format = frame_format(spec, lifecycle, kernels, table, device_lifecycle, mtp, device)
         self.speculative = speculative  # a SpeculativeStep (lifecycle with a verify loop), else None
-        self._width, self._deferred_order = OUT_CODES + spec.frame_width, lifecycle.deferred
+        self._width = OUT_CODES + spec.frame_width
+        # The lifecycle's phase order, chosen once: no per-step branch on the variant.
+        self._rows = speculative.run if speculative is not None else (
+            self._deferred if lifecycle.deferred else self._current_step)
 
     @property
     def positions(self) -> int:
@@ -83,11 +86,8 @@ class DevicePipeline:
         width = self._width
         if batch.num_tokens == 0:  # nothing scheduled (or only padding): a no-op step
             packed = torch.zeros(batch.num_rows * self.positions, width, dtype=torch.int64, device=self.device)
-        elif self.speculative is not None:
-            packed = self.speculative.run(batch)
         else:
-            self.format.begin(batch)
-            packed = self._deferred(batch) if self._deferred_order else self._current_step(batch)
+            packed = self._rows(batch)
         # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
         # this step still surfaces in the same copy.
         sticky = self.table.error[: self.table.max_slots].amax().to(torch.int64).view(1, 1)
@@ -109,6 +109,7 @@ class DevicePipeline:
                                            **self.format.publish_facts)
 
     def _current_step(self, batch: StepBatch) -> torch.Tensor:
+        self.format.begin(batch)
         hidden, cb0 = self._backbone(batch)
         codes = self.format.frame(batch, hidden, cb0)
         return self._publish(batch, codes)
@@ -116,6 +117,7 @@ class DevicePipeline:
     def _deferred(self, batch: StepBatch) -> torch.Tensor:
         """The pending frame (sampled last step) first, from the cached hidden state and CB0;
         rows with no pending frame compute an ignored one (their state fires no MTP edge)."""
+        self.format.begin(batch)
         table, slot = self.table, batch.idx_mapping
         cached_hidden, cached_cb0 = table.extra[DEFERRED_HIDDEN][slot], table.extra[DEFERRED_CB0][slot]
         codes = self.format.frame(batch, cached_hidden, cached_cb0)
