@@ -55,7 +55,6 @@ class Scheduler:
         self._head_wait = 0
         self._planned: tuple[StepPlan, str | None] | None = None  # last plan built, and its blocked head
         self.num_preemptions = 0
-        self._decode_spans: dict[str, Span] = {}  # request id -> its decode row, reused while it decodes
 
     # -- client side ---------------------------------------------------------------------
 
@@ -129,17 +128,10 @@ class Scheduler:
         remaining = (columns.prompt_len[at] - columns.num_computed[at]).tolist()
         live_rows = [i for i in running if ids[i] not in gone]
         width = ledger.decode_width  # 1, or the last token plus the drafts of a speculative engine
-        spans: dict[str, Span] = {}
         for i in live_rows:  # decode rows first: they carry audio a listener is waiting for
             if remaining[i] <= 0 and budget >= width:
-                # The same Span objects step after step: the ledger recognises an unchanged
-                # decode batch by comparing rows, which is a pointer walk for identical objects.
-                rid = ids[i]
-                span = self._decode_spans.get(rid) or Span(rid, width)
-                spans[rid] = span
-                rows.append(span)
+                rows.append(Span(ids[i], width))
                 budget -= width
-        self._decode_spans = spans
         for i in live_rows:
             if remaining[i] > 0 and budget > 0:
                 budget -= self._chunk(rows, ids[i], remaining[i], budget)
