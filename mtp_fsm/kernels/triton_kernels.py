@@ -14,6 +14,8 @@ batch size:
 | mtp_sampler       | 1 memset (fault words) + 1 per codebook the MTP hook samples     |
 | mtp_scatter       | 1                                                                |
 | publish_frames    | 1                                                                |
+| sample_positions  | 1 (speculative: every verify position of every row)              |
+| verify_frames     | 1 (speculative: the verify loop, each row's positions in order)  |
 
 A decode step is 6 launches plus Q - 1 MTP sampling launches. No stage reads a device
 value on the host or builds a tensor from host data, so the stages can be captured in a
@@ -44,6 +46,8 @@ from .contract import (  # noqa: F401  (re-exported: the packed output layout)
     StagedAdmits, StagedEvents, StepBatch, TextStep,
 )
 from .triton_sampling import MAX_VOCAB
+# Speculative decoding's verify positions as rows: their own module, the stage functions' names.
+from .triton_verify import sample_positions, verify_frames  # noqa: F401
 
 ADMIT_COLUMNS_PER_LAUNCH = 12
 # No stage reads a device value on the host: a decode step can be captured as a CUDA graph

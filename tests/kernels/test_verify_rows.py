@@ -113,3 +113,21 @@ def test_the_comparison_sees_accepts_misses_ends_and_the_context_edge(monkeypatc
     ]
     compared = run_compared(monkeypatch, "torch", 3, definitions, draft_miss=3, slots=3, chunk=2, max_context=24)
     assert compared.calls > 5 and compared.frames > 40
+
+
+@pytest.mark.parametrize("k,draft_miss,penalty", [(1, 0, None), (3, 2, 1.3), (4, 3, 0.8)])
+def test_triton_rows_executor_equals_the_per_position_loop(monkeypatch, k, draft_miss, penalty):
+    """The Triton kernels (interpret mode) against the per-position loop run with the Triton
+    backend's own sample and publish stages."""
+    if torch.cuda.is_available():
+        pytest.skip("the scripted talkers run on the CPU; `make gpu-check` covers the GPU")
+    pytest.importorskip("triton")
+    definitions = [
+        RequestDef(ScriptInputs((1, 2, 3)), 14, 1, SamplingParams(top_k=1, repetition_penalty=penalty)),
+        RequestDef(ScriptInputs((5, 6), eos_at=5), 14, 2, SamplingParams(top_k=1), min_frames=2),
+        RequestDef(ScriptInputs((7,), nan_at=3), 14, 3, SamplingParams(top_k=1)),
+        RequestDef(ScriptInputs((9, 9, 9)), 6, 4, SamplingParams(temperature=0.9, top_k=5, repetition_penalty=penalty)),
+        RequestDef(ScriptInputs((2, 4)), 200, 5, SamplingParams(top_k=1)),  # ends by the context
+    ]
+    compared = run_compared(monkeypatch, "triton", k, definitions, draft_miss, slots=3, chunk=2, max_context=20)
+    assert compared.calls > 3 and compared.frames > 20
