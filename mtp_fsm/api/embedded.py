@@ -28,7 +28,7 @@ FIRST_AUDIO_WAIT_S = 0.1
 # the later ones waiting a whole step for the next boundary (the engine's first-frame clock starts at
 # admission and does not see that wait; the client does).
 COALESCE_S = 0.005
-COALESCE_MAX_S = 0.025
+COALESCE_MAX_S = 0.05
 
 
 class _Admission:
@@ -63,6 +63,9 @@ class EmbeddedBackend:
         self.first_audio_wait_s = first_audio_wait_s  # 0: never wait (throughput over first audio)
         self.talker_name = talker.name
         self.router = JobRouter(decoder, engine.spec.frame_width, threaded=audio_threaded)
+        if decoder is not None:
+            log.info("decoder warmed up for 1-%d first chunks in %.1f s", engine.max_slots,
+                     self.router.warm_up(engine.max_slots))
         self._admission = _Admission()
         # The admission sink sits before the router: a refused request's report is caught first.
         self.loop = ServingLoop(engine, sinks=(self._admission, self.router))

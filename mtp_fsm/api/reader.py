@@ -61,10 +61,13 @@ class JobReader:
                     yield "frames", event
                 elif isinstance(event, AudioEvent):
                     if len(event.samples):
-                        if self.first_audio_s is None:
+                        first = self.first_audio_s is None
+                        if first:
                             self._first_audio()
                         self.samples += len(event.samples)
                         yield "audio", event.samples
+                        if first and job.on_first_audio is not None:
+                            job.on_first_audio()  # asked for more: the first audio went out, the engine may step on
                     if event.is_final:
                         self._audio_done = True
                 elif isinstance(event, EndEvent):
@@ -79,8 +82,6 @@ class JobReader:
     def _first_audio(self) -> None:
         self.first_audio_s = self.clock() - self.job.arrival
         self.metrics.ttfa.observe(self.first_audio_s)
-        if self.job.on_first_audio is not None:
-            self.job.on_first_audio()
 
     def _check_end(self) -> None:
         finished, rid = self.finished, self.job.request_id

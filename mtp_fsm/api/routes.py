@@ -13,6 +13,7 @@ import time
 import uuid
 import wave
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -21,6 +22,7 @@ from ..lifecycle import FinishReason
 from .errors import ApiError
 from .jobs import SpeechJob
 from .reader import JobReader, pcm16_bytes
+from .schema import parse_speech_request
 from .service import SpeechService
 
 log = logging.getLogger("mtp_fsm.api")
@@ -93,8 +95,6 @@ async def create_speech(request: Request) -> Response:
     arrival = time.perf_counter()  # before anything else: time to first audio counts our own work too
     rid = f"speech-{uuid.uuid4().hex}"
     try:
-        from .schema import parse_speech_request
-
         speech = parse_speech_request(await request.body())
         svc.check(speech)
         seed = speech.seed if speech.seed is not None else secrets.randbits(63)
@@ -147,8 +147,6 @@ async def _whole(request: Request, svc: SpeechService, flight: _Flight, headers:
         codes = [row for event in frames for row in event.codes.tolist()]
         return JSONResponse({"request_id": flight.job.request_id, "finish_reason": headers["X-Finish-Reason"],
                              "frames": codes}, headers=headers)
-    import numpy as np
-
     pcm = pcm16_bytes(np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32))
     if speech.response_format == "pcm":
         return Response(pcm, media_type="audio/pcm", headers=headers)

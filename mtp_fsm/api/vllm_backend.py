@@ -74,19 +74,19 @@ class VllmBackend:
         job.settle(None)
 
     async def _drive(self, request_id: str, prompt: dict, params) -> None:
-        reason = None
+        reason, detail = None, ""
         try:
             async for output in self.engine_client.generate(prompt, params, request_id):
                 if output.finished:
                     reason = output.outputs[0].finish_reason if output.outputs else None
         except asyncio.CancelledError:
             reason = "abort"  # vLLM has sent the abort to the engine before re-raising
-        except Exception as exc:  # the engine refused or died: the poller learns the end from the worker
+        except Exception as exc:  # vLLM refused it or its engine died: the request ends with this error
             log.error("speech %s: vLLM generate failed: %s: %s", request_id, type(exc).__name__, exc)
-            reason = "abort"
+            reason, detail = "error", f"{type(exc).__name__}: {exc}"
         finally:
             self._tasks.pop(request_id, None)
-            self.poller.vllm_done(request_id, reason)
+            self.poller.vllm_done(request_id, reason, detail)
 
     def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
@@ -131,6 +131,7 @@ class SpeechEndpointPlugin:
         except CodecUnavailableError as exc:
             log.warning("%s: serving codes only (response_format codes)", exc)
         backend = VllmBackend(engine_client, talker, decoder, config.stop_token_id)
+        backend.router.warm_up(engine_client.vllm_config.scheduler_config.max_num_seqs)
         names = (*(getattr(args, "served_model_name", None) or ()), config.talker, talker.name)
         service = SpeechService(backend, Limits.from_env(os.environ.get(LIMITS_ENV)), SpeechMetrics(), names)
         setattr(state, STATE_KEY, service)

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # others' INFO (transitions') stays out
+    log.setLevel(logging.INFO)
     result = bench_serving(args.model, concurrency=args.concurrency, max_frames=args.max_frames,
                            min_requests=args.min_requests)
     print(serving_section(result))

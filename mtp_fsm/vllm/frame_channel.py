@@ -17,16 +17,18 @@ log = logging.getLogger(__name__)
 
 RPC_METHOD = "mtp_fsm_take_frames_for"
 # vLLM's finish reasons -> the engine's, for a request vLLM ended before the worker ever held it.
-_VLLM_REASONS = {"stop": FinishReason.EOS, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_VLLM_REASONS = {"stop": FinishReason.EOS, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT,
+                 "error": FinishReason.ERROR}
 
 
 class _Owned:
-    __slots__ = ("next_index", "done_after_poll", "vllm_reason")
+    __slots__ = ("next_index", "done_after_poll", "vllm_reason", "detail")
 
     def __init__(self) -> None:
         self.next_index = 0
         self.done_after_poll: int | None = None  # polls sent when vLLM's generate for it had ended
         self.vllm_reason: str | None = None
+        self.detail = ""
 
 
 class FramePoller:
@@ -58,11 +60,12 @@ class FramePoller:
         self._owned[request_id] = _Owned()
         self._wake.set()
 
-    def vllm_done(self, request_id: str, vllm_reason: str | None) -> None:
-        """vLLM's generate for the request has ended (finished, or cancelled with its abort sent)."""
+    def vllm_done(self, request_id: str, vllm_reason: str | None, detail: str = "") -> None:
+        """vLLM's generate for the request has ended (finished, cancelled with its abort sent, or failed:
+        reason "error" with vLLM's message as the detail)."""
         owned = self._owned.get(request_id)
         if owned is not None:
-            owned.done_after_poll, owned.vllm_reason = self._polls, vllm_reason
+            owned.done_after_poll, owned.vllm_reason, owned.detail = self._polls, vllm_reason, detail
 
     @property
     def open_requests(self) -> int:
@@ -111,7 +114,8 @@ class FramePoller:
                 if owned is not None and owned.done_after_poll is not None and owned.done_after_poll < poll:
                     reason = _VLLM_REASONS.get(owned.vllm_reason or "abort", FinishReason.ABORT)
                     self._end(poll, FinishedRequest(rid, reason, owned.next_index,
-                                                    f"ended by vLLM ({owned.vllm_reason}) before its worker held it"))
+                                                    f"ended by vLLM ({owned.vllm_reason}) before its worker held it"
+                                                    + (f": {owned.detail}" if owned.detail else "")))
             await asyncio.sleep(self.interval_s)
 
     def _deliver(self, poll: int, record) -> None:
