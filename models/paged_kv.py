@@ -200,10 +200,15 @@ class BlockPool:
         seq_slots = torch.where(seq_key >= 0, seq_key, self.max_slots)
         seq_blocks = self.table[seq_slots, :nb]
         tokens_are_seqs = tq == 1 and bool((token_seq == torch.arange(len(key))).all())
-        dev = self.device
-        return StepKV(write_block=write_block.to(dev), write_offset=(pos % bs).to(dev),
-                      seq_blocks=seq_blocks.to(dev), token_seq=token_seq.to(dev), token_rank=token_rank.to(dev),
-                      token_pos=torch.where(real, pos, 0).to(dev), query_pos=query_pos.to(dev), block_size=bs,
+        # One host-to-device copy for the whole plan (a no-op on a CPU), split into views there.
+        parts = (write_block, pos % bs, token_seq, token_rank, torch.where(real, pos, 0), seq_blocks, query_pos)
+        flat = torch.cat([t.reshape(-1) for t in parts]).to(self.device, non_blocking=True)
+        views, at = [], 0
+        for t in parts:
+            views.append(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+        return StepKV(write_block=views[0], write_offset=views[1], token_seq=views[2], token_rank=views[3],
+                      token_pos=views[4], seq_blocks=views[5], query_pos=views[6], block_size=bs,
                       tokens_are_seqs=tokens_are_seqs)
 
     def reserve(self) -> None:

@@ -91,6 +91,8 @@ class Qwen3OmniTalker(PagedKVCache, TalkerModel):
                              f"got {tuple(rows.shape)}")
         self.thinker_special_rows.copy_(rows.to(self.thinker_special_rows))
         self._specials = None
+        if getattr(self, "_cache", None) is not None:
+            self._specials = self.tts_specials()
 
     # ---------------------------------------------------------------- weights
 
@@ -196,20 +198,16 @@ class Qwen3OmniTalker(PagedKVCache, TalkerModel):
     def bind_slots(self, max_slots: int, device: torch.device,
                    columns: dict[str, torch.Tensor] | None = None) -> None:
         super().bind_slots(max_slots, device, columns)
-        self._specials = None  # projected again on first use (tts_specials)
+        self._specials = None
+        self._specials = self.tts_specials()
 
     @torch.no_grad()
     def tts_specials(self) -> torch.Tensor:
         """text_projection of the thinker's (tts_bos, tts_eos, tts_pad) rows: [3, H]. A per-step
-        constant: once an engine binds (the weights are final) it is projected once and kept
-        until the rows change (set_thinker_special_rows)."""
+        constant: projected once when an engine binds (the weights are final then) and again
+        when the rows change (set_thinker_special_rows)."""
         cached = getattr(self, "_specials", None)
-        if cached is not None:
-            return cached
-        specials = self.talker.text_projection(self.thinker_special_rows)
-        if self._cache is not None:
-            self._specials = specials
-        return specials
+        return cached if cached is not None else self.talker.text_projection(self.thinker_special_rows)
 
     def tts_eos_embed(self) -> torch.Tensor:
         return self.tts_specials()[1]

@@ -17,7 +17,7 @@ from mtp_fsm.model_api import CodebookSampler
 from .config import CodePredictorConfig, Qwen3TTSConfig
 from mtp_fsm import invariant
 
-from .layers import DecoderLayer, Linear, RMSNorm, run_over_slots
+from .layers import DecoderLayer, Linear, RMSNorm, fast_norms, run_over_slots
 
 
 class Qwen3TTSTalkerModel(nn.Module):
@@ -159,6 +159,8 @@ class Qwen3TTSTalkerForGeneration(nn.Module):
         self.text_projection = ResizeMLP(cfg.text_hidden_size, cfg.text_hidden_size, cfg.hidden_size, bi)
         self.codec_head = Linear(cfg.hidden_size, cfg.vocab_size, False, bi)
         self.code_predictor = CodePredictor(cfg.code_predictor, cfg.hidden_size, bi)
+        if not bi:
+            fast_norms(self)
 
     def project_text(self, ids: torch.Tensor) -> torch.Tensor:
         return self.text_projection(self.model.text_embedding(ids))

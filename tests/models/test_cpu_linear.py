@@ -55,3 +55,23 @@ def test_small_weights_autograd_and_batch_invariant_keep_their_paths():
     with torch.no_grad():
         alone, batched = layer(x), layer(torch.cat([x, torch.randn(5, 1024)]))[:1]
     assert torch.equal(alone, batched) and layer._packed._key is None
+
+
+def test_norms_reduce_with_aten_only_without_batch_invariance():
+    """A Qwen3-TTS model built without batch invariance normalises with upstream's formula in
+    ATen (float rounding away from the fixed-order tree); a batch-invariant one keeps the tree."""
+    from models.qwen3_tts import Qwen3TTSTalker, tiny_config
+    from models.qwen3_tts.layers import RMSNorm
+
+    plain = Qwen3TTSTalker(tiny_config(batch_invariant=False), seed=0)
+    exact = Qwen3TTSTalker(tiny_config(), seed=0)
+    norms = [m for m in plain.module.modules() if isinstance(m, RMSNorm)]
+    assert norms and not any(m.fixed_order for m in norms)
+    assert all(m.fixed_order for m in exact.module.modules() if isinstance(m, RMSNorm))
+    x = torch.randn(4, 64, dtype=torch.float64) * 7
+    norm = norms[0].double()
+    fast = norm(x)
+    norm.fixed_order = True
+    torch.testing.assert_close(fast, norm(x), rtol=1e-14, atol=1e-14)
+    reference = x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + norm.eps) * norm.weight
+    torch.testing.assert_close(fast, reference, rtol=1e-12, atol=1e-12)

@@ -29,6 +29,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from models.paged_kv import BlockPool
 from mtp_fsm._util.threads import torch_threads
 from mtp_fsm.engine import FeedError, LockstepEngine, NewRequest, SchedulingPolicy, Span, StepOutput, StepPlan
 from mtp_fsm.errors import (
@@ -471,6 +472,8 @@ def test_preempts_and_resumes_in_explicit_plans_never_change_frames(zoo, data, d
 def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, BlockPool):  # a paged KV: every block and the block table
+        return [*value.k, *value.v, value.table]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     if isinstance(value, dict):
