@@ -267,11 +267,11 @@ def test_every_reachable_edge_of_the_speculative_spec_fires(monkeypatch):
         NewRequest("nan0", ScriptInputs((3,), nan_at=0), 5, 2, GREEDY),  # fail from waiting (one-token prompt)
         NewRequest("nan_late", ScriptInputs((4, 4), nan_at=3), 9, 3, GREEDY),  # fail from verifying/decoding
         NewRequest("eos", ScriptInputs((5, 1, 2), eos_at=4), 9, 4, GREEDY),
-        NewRequest("sampled", ScriptInputs((6, 7)), 30, 5, SamplingParams()),  # misses: bonus, reject
+        NewRequest("sampled", ScriptInputs((6, 7)), 30, 5, SamplingParams()),  # misses (draft_miss): bonus, reject
         NewRequest("chunked_nan", ScriptInputs((1, 2, 3, 4, 5), nan_at=0), 5, 6, GREEDY),  # fail from prefilling
         NewRequest("decoding_nan", ScriptInputs((8,), nan_at=1), 5, 7, SamplingParams(top_k=1)),
     ]
-    engine = LockstepEngine(PoisonedDrafter(num_codebooks=1, dtype=torch.float64), 8, kernels="torch",
+    engine = LockstepEngine(PoisonedDrafter(num_codebooks=1, dtype=torch.float64, draft_miss=5), 8, kernels="torch",
                             speculate=3, policy=SchedulingPolicy(token_budget=64, prefill_chunk=2))
     engine.generate(requests)
     # An async overrun: a finished and an aborted request scheduled once more (one token each).

@@ -11,7 +11,7 @@ from ..kernels.contract import OUT_ERROR, OUT_REASON, OUT_STATE, StepBatch
 from ..kernels.reference import in_class
 from ..lifecycle import CLASS_LIVE
 from ..model_api import ColumnSpec, DraftInputs
-from ..sampling import row_faults
+from ..sampling import sample_tokens
 from ..sampling.faults import FAULT_DRAFT, fault_word
 
 # Engine-owned slot column: the k tokens the drafter proposed for the row's next step (reset
@@ -153,43 +153,76 @@ class SpeculativeStep:
 
     def _propose(self, batch: StepBatch, owned: torch.Tensor, start: torch.Tensor, inputs: torch.Tensor,
                  hidden: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor) -> None:
-        """The drafter over the step's tokens, from each row's last accepted one; then the
-        draft stage (the step's last: rows left in-step are flagged)."""
+        """The drafter from each row's last accepted token (`DraftInputs`); then the draft
+        stage (the step's last: rows left in-step are flagged)."""
         k, table, slot = self.num_drafts, self.table, batch.idx_mapping
         faults = torch.zeros(slot.shape, dtype=torch.int32, device=slot.device)
         if k:
             end = table.num_computed[slot]
-            advanced = end - start  # verify rows: accepted tokens; prefill rows: the chunk
-            starts = batch.query_start_loc[:-1]
-            last = (starts + advanced - 1).clamp(min=0)
-            # The input after each row's newest computed token: the next prompt row, or the
-            # newest published frame (frame_embed + its text step, as the next step composes it).
-            pending = end < table.prompt_len[slot]
-            prompt = table.prompt_embeds[slot, end.clamp(max=table.max_context - 1)]
-            frame_index = (table.num_frames[slot] - 1).clamp(min=0)
-            published = table.frame_embed[slot] + self._text_step(table.extra, slot, frame_index).to(inputs.dtype)
-            follow = torch.where(pending[:, None], prompt.to(inputs.dtype), published.to(inputs.dtype))
-            tokens = inputs.shape[0]
-            shifted = torch.cat([inputs[1:], inputs.new_zeros(2, inputs.shape[1])])  # row `tokens` is a sink
+            advanced = end - start  # verify rows: 1 + accepted drafts; prefill rows: the chunk
             has = owned & (advanced > 0)
-            shifted[torch.where(has, last, tokens)] = follow
+            last = (batch.query_start_loc[:-1] + advanced - 1).clamp(min=0)
+            # The input after each row's newest computed token: the newest published frame
+            # (frame_embed + its text step, as the next step composes it) or the next prompt row.
+            frame_index = (table.num_frames[slot] - 1).clamp(min=0)
+            follow = (table.frame_embed[slot] + self._text_step(table.extra, slot, frame_index)).to(inputs.dtype)
+            # Where the drafter's later steps sit: the positions after the newest token.
             chain = end[:, None] + torch.arange(k - 1, device=end.device)[None, :]
-            chain_slots = torch.where(has[:, None] & (chain < table.max_context), slot[:, None], -1)
-            draft_inputs = DraftInputs(hidden, shifted[:tokens], positions, token_slots, last.clamp(max=max(tokens - 1, 0)),
-                                       chain.clamp(max=table.max_context - 1), chain_slots, k)
-            proposed = self._draft(draft_inputs, self._chooser(faults)).to(torch.int64)
+            chain = (chain.clamp(max=table.max_context - 1),
+                     torch.where(has[:, None] & (chain < table.max_context), slot[:, None], -1))
+            if batch.has_prefill:
+                prompt = table.prompt_embeds[slot, end.clamp(max=table.max_context - 1)]
+                follow = torch.where((end < table.prompt_len[slot])[:, None], prompt.to(inputs.dtype), follow)
+                draft_inputs = self._over_the_step(has, last, follow, chain, inputs, hidden, positions, token_slots)
+            else:
+                draft_inputs = self._from_last_accepted(has, advanced, last, follow, chain, inputs, hidden, positions,
+                                                        token_slots)
+            proposed = self._draft(draft_inputs, self._chooser(batch, faults)).to(torch.int64)
             column = table.extra[DRAFT_TOKENS]
             column[slot] = torch.where(has[:, None], proposed, column[slot])
             faults = torch.where(has, faults, 0)
         self.kernels.mtp_scatter(table, self._lc, batch, faults, None, last=True)
 
-    def _chooser(self, faults: torch.Tensor):
-        allowed = self._allowed
+    def _from_last_accepted(self, has, advanced, last, follow, chain, inputs, hidden, positions,
+                            token_slots) -> DraftInputs:
+        """An all-decode step: two tokens per row, its last accepted one and the one before it
+        (inert unless this step computed it). The one before writes the drafter's KV at the
+        position the previous step's draft chain stopped short of when every draft was
+        accepted, so the drafter never attends over a position it did not write."""
+        rows = last.shape[0]
+        pair = torch.stack([last - 1, last], dim=1).clamp(min=0).reshape(-1)
+        keep = torch.stack([has & (advanced >= 2), has], dim=1).reshape(-1)
+        next_inputs = torch.stack([inputs[last], follow], dim=1).reshape(2 * rows, -1)
+        slots = torch.where(keep, token_slots[pair], -1)
+        newest = torch.arange(rows, device=last.device) * 2 + 1
+        return DraftInputs(hidden[pair], next_inputs, positions[pair], slots, newest, *chain, self.num_drafts)
+
+    def _over_the_step(self, has, last, follow, chain, inputs, hidden, positions, token_slots) -> DraftInputs:
+        """A step with prefill rows: every token of the step (a prompt chunk's drafter KV is
+        read by every later draft), each followed by the next token's input."""
+        tokens = inputs.shape[0]
+        shifted = torch.cat([inputs[1:], inputs.new_zeros(2, inputs.shape[1])])  # row `tokens` is a sink
+        shifted[torch.where(has, last, tokens)] = follow
+        return DraftInputs(hidden, shifted[:tokens], positions, token_slots, last.clamp(max=max(tokens - 1, 0)), *chain,
+                           self.num_drafts)
+
+    def _chooser(self, batch: StepBatch, faults: torch.Tensor):
+        """Draft i of a row is drawn as the target will sample that frame (num_frames + i):
+        the row's CB0 temperature / top-k / top-p and the same counter-based noise. Where the
+        drafter's distribution matches the target's, the two Gumbel-max draws then pick the
+        same id (a coupling: greedy rows draft the argmax, sampled rows are accepted at about
+        the rate greedy ones are). The frames never depend on it: a draft only decides which
+        positions are verified."""
+        allowed, table, slot = self._allowed, self.table, batch.idx_mapping
+        params = (table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot], table.seed[slot])
+        first = table.num_frames[slot]
 
         def choose(logits: torch.Tensor, index: int) -> torch.Tensor:
-            clean, kind = row_faults(logits, allowed)
-            first = (kind != 0) & (faults == 0)
-            faults.copy_(torch.where(first, fault_word(FAULT_DRAFT, index), faults))
-            return clean.argmax(dim=-1)
+            tokens, kind = sample_tokens(logits, *params, first + index, 0, allowed=allowed,
+                                         apply_filters=batch.cb0_filters, top_k_max=batch.cb0_top_k_max,
+                                         any_top_p=batch.cb0_any_top_p, top_k_min=batch.cb0_top_k_min)
+            new = (kind != 0) & (faults == 0)
+            faults.copy_(torch.where(new, fault_word(FAULT_DRAFT, index), faults))
+            return tokens
 
         return choose
