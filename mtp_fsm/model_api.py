@@ -50,17 +50,27 @@ DraftChooser = Callable[[torch.Tensor, int], torch.Tensor]
 class DraftInputs:
     """What a drafter (`TalkerModel.draft`, speculative decoding) gets from one step.
 
-    Flat over the step's T tokens, like forward():
-      hidden [T, *]: forward()'s output at each token;
-      next_inputs [T, H]: the backbone input of the position after each token (the next
-        prompt row, or the embedding of the token sampled there); meaningful up to each
-        row's last accepted token (`last`), garbage after it;
-      positions [T], token_slots [T]: as forward() got them (-1: inert).
+    The drafter runs from each row's last accepted token, batched across rows. Flat over N
+    tokens whose drafter state (e.g. an MTP layer's KV) the engine asks it to write:
+      - a step where every row decodes: N = 2B, two per row in order: the one before the
+        row's last accepted token (inert, slot -1, unless this step computed it), then the
+        last accepted token. The earlier one rewrites the position the previous step's
+        draft chain stops short of when every draft was accepted, so a drafter never
+        attends over a position it has not written;
+      - a step with prefill rows: N = T, every token of the step as forward() got it (a
+        prompt chunk's drafter state is read by every later draft).
+      hidden [N, *]: forward()'s output at each token;
+      next_inputs [N, H]: the backbone input of the position after each token (the next
+        prompt row, or the embedding of the token published there); meaningful up to each
+        row's last accepted token;
+      positions [N], token_slots [N]: as forward() got them (-1: inert, write nothing).
     Per row (B):
-      last [B]: flat index of the row's last accepted token (its hidden state predicted the
-        newest published token, whose input is next_inputs[last]);
+      last [B]: index into the N tokens of the row's last accepted token (its hidden state
+        predicted the newest published token, whose input is next_inputs[last]): draft 0
+        comes from there;
       chain_positions, chain_slots [B, k - 1]: where the drafter's own later draft steps sit
         (position of the newest token + i, i = 0..k-2; slot -1 where that is past the context).
+    A row with nothing new this step (ended, not owned) has inert tokens; its drafts are ignored.
     """
 
     hidden: torch.Tensor
@@ -357,11 +367,12 @@ class TalkerModel(abc.ABC):
 
     def draft(self, inputs: DraftInputs, choose: DraftChooser) -> torch.Tensor:
         """Speculative decoding (a single-codebook model with a drafter, e.g. an MTP module):
-        propose the next `inputs.num_drafts` tokens of each row, [B, k] int64, picking each
-        with `choose`. Runs over every token of the step, so a drafter with its own KV cache
-        (DeepSeek-V3's MTP layer) keeps it in step with the backbone; entries written for
-        rejected positions are rewritten before they are read (each step starts at the first
-        unverified position). Draft quality changes speed, never the frames."""
+        propose the next `inputs.num_drafts` tokens of each row, [B, k] int64, picking draft i
+        with `choose(logits [B, V], i)` (the engine draws it as the target will sample that
+        frame: same parameters, same counter noise). Writes its own state (DeepSeek-V3's MTP
+        KV) at the tokens `inputs` lists (see DraftInputs) and along its draft chain; entries
+        written for rejected positions are rewritten before they are read (each step starts
+        at the first unverified position). Draft quality changes speed, never the frames."""
         raise NotImplementedError(f"{self.spec.name} has no drafter")
 
     @property
