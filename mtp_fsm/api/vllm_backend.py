@@ -15,7 +15,7 @@ from .jobs import JobRouter, SpeechJob
 from .limits import Limits
 from .metrics import SpeechMetrics
 from .routes import STATE_KEY, speech_router
-from .server import LIMITS_ENV, PLUGIN_NAME
+from .server import LIMITS_ENV, LOG_LEVEL_ENV, PLUGIN_NAME, setup_logging
 from .service import SpeechService
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class SpeechEndpointPlugin:
 
         if engine_client is None:
             raise RuntimeError(f"{PLUGIN_NAME} needs vLLM's engine; it cannot run on the render-only server")
+        setup_logging(os.environ.get(LOG_LEVEL_ENV, "info"))  # a spawned API process: vLLM set up only its own
         refuse_layout(engine_client.vllm_config)
         config = TalkerDirConfig.from_hf_config(engine_client.model_config.hf_config)
         talker = config.load_talker()
