@@ -93,6 +93,7 @@ class JobRouter:
         # Jobs whose first frames went to the decoder and whose first audio is not out yet (wait_first_audio).
         self._first_pending: set[str] = set()
         self._first_done = threading.Condition(self._lock)
+        self.on_end: Callable[[FinishReason], None] | None = None  # every job's engine end (metrics)
         self.audio: AudioStream | None = None
         if decoder is not None:
             self.audio = AudioStream(decoder, self._on_audio, frame_width=frame_width, threaded=threaded,
@@ -181,6 +182,8 @@ class JobRouter:
         job = self.job(finished.request_id)
         if job is None:
             return
+        if self.on_end is not None:
+            self.on_end(FinishReason(finished.reason))
         wants_audio = job.speech.wants_audio and self.audio is not None
         if wants_audio:
             self.audio.on_finished(step, finished)  # queues the final chunk (eos / length) or drops the rest

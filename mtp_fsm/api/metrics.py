@@ -19,7 +19,8 @@ class SpeechMetrics:
     - real-time factor: arrival to last audio over the audio's duration (below 1: faster than playback);
     - frames and audio seconds produced (rates of these are frames/s and audio s/s);
     - requests queued (accepted, no frame yet) and active (streaming);
-    - finished requests by reason (eos, length, abort, error), and refusals / failures by reason
+    - finished requests by reason (eos, length, abort, error) as clients saw them, and as the engine
+      ended them (engine_ends: also requests whose client left), and refusals / failures by reason
       (invalid_field, unknown_field, unauthorized, input_too_long, too_many_streams, model_fault, ...).
     """
 
@@ -43,6 +44,10 @@ class SpeechMetrics:
                                 **kw)
         self.aborts = Counter(f"{prefix}_aborts", "Requests aborted, by why (client_disconnect, server_shutdown)",
                               ["reason"], **kw)
+        # What the engine says, also for requests whose client has left (a disconnect shows up here as
+        # abort once the engine has really stopped the request).
+        self.engine_ends = Counter(f"{prefix}_engine_ends", "Requests ended in the engine, by finish reason",
+                                   ["reason"], **kw)
 
     def failure(self, status: int, reason: str) -> None:
         self.failures.labels(status=str(status), reason=reason).inc()

@@ -43,6 +43,9 @@ class SpeechService:
         self.backend, self.limits, self.metrics = backend, limits, metrics
         self.model_names = tuple(dict.fromkeys(model_names))
         self.gate = StreamGate(limits.max_concurrent)
+        router = getattr(backend, "router", None)  # both backends route jobs through a JobRouter
+        if router is not None:
+            router.on_end = lambda reason: metrics.engine_ends.labels(reason=reason.label).inc()
 
     def check(self, speech: SpeechRequest) -> None:
         """404 for another model, 413 past a limit, 400 for audio from a talker without a decoder."""

@@ -212,6 +212,7 @@ def test_a_client_that_disconnects_aborts_its_request_in_the_engine(server, stre
 
     text = run(metrics())
     assert 'mtp_fsm_speech_aborts_total{reason="client_disconnect"}' in text
+    assert 'mtp_fsm_speech_engine_ends_total{reason="abort"}' in text  # the engine's own word for it
 
 
 @pytest.mark.parametrize("payload, status, param", [

@@ -147,3 +147,9 @@ def test_a_wav_from_vllm_and_the_server_goes_on_after_a_disconnect(vllm_server):
     assert frames == len(codes) * 1920
     metrics = httpx.get(f"{vllm_server}/metrics", timeout=30).text  # vLLM's /metrics, ours beside its own
     assert "mtp_fsm_speech_time_to_first_audio_seconds_count" in metrics and "vllm:" in metrics
+    # The hang-up reached the engine: the worker reported that request's end as an abort (not its EOS at 42).
+    deadline = time.monotonic() + 30
+    while 'mtp_fsm_speech_engine_ends_total{reason="abort"} 1.0' not in metrics:
+        assert time.monotonic() < deadline, [m for m in metrics.splitlines() if "engine_ends" in m]
+        time.sleep(0.2)
+        metrics = httpx.get(f"{vllm_server}/metrics", timeout=30).text
