@@ -34,8 +34,8 @@ def bench_serving(model: str = "qwen3_tts", *, concurrency: Sequence[int] = CONC
                   min_requests: int = 16, seed: int = 0, threads: int = 1,
                   out: Callable[[str], None] = log.info) -> dict:
     """The embedded server (uvicorn on loopback, engine and decoder on their threads) and a real HTTP
-    client in a process of its own: at each concurrency, rounds of n simultaneous PCM streams until at least
-    `min_requests` have run. Per request: TTFA from the client's send to its first audio bytes; per
+    client in a process of its own: at each concurrency, one untimed round, then rounds of n simultaneous
+    PCM streams until at least `min_requests` have run. Per request: TTFA from the client's send to its first audio bytes; per
     round: streams/s = n / the round's wall time. The engine's own first-frame latency (from its submit,
     ServingMetrics) is read for the same requests, so the two are compared on one run.
 
@@ -53,6 +53,9 @@ def bench_serving(model: str = "qwen3_tts", *, concurrency: Sequence[int] = CONC
         with LoopbackServer(app) as server:
             _client_round(server.url, 2, min(4, max_frames), seed)  # warm-up: first calls of every path
             for n in concurrency:
+                # One untimed round at this concurrency first: the model's and the decoder's first calls at
+                # a new batch shape cost several times a later one (steady state is what is compared).
+                _client_round(server.url, n, max_frames, seed + 10_000)
                 timed, rates = [], []
                 while len(timed) < max(min_requests, n):
                     got, wall = _client_round(server.url, n, max_frames, seed + len(timed))
