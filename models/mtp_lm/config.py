@@ -123,6 +123,25 @@ def tiny_config(**overrides: Any) -> MtpLMConfig:
     return MtpLMConfig(**base)
 
 
+def wide_config(**overrides: Any) -> MtpLMConfig:
+    """A ~120M-parameter random model of realistic shape for the speculative bench: 16 x 768
+    Qwen3 layers (12 query / 4 KV heads of 64, SwiGLU 2048) + MTP, an 8192-id vocab (frames
+    0..7999, EOS 8000, BOS 8001, byte prompts), wired like the tiny one so drafts are often
+    accepted. Deep for its width, as released MTP models are (a draft pass is one layer and
+    the head, a small part of the target's forward). Its linears are plain GEMMs (run it in
+    bfloat16: on a CPU a forward of a few tokens then costs about one token's, reading the
+    weights once), so unlike the tiny model its rows are batch-invariant only where the
+    kernels are (tests/models/test_mtp_lm_wide.py checks this machine)."""
+    base: dict[str, Any] = dict(
+        hidden_size=768, num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+        intermediate_size=2048, rms_norm_eps=1e-6, rope_theta=10_000.0, vocab_size=8192,
+        max_position_embeddings=4096, bos_token_id=8001, eos_token_id=8000, codebook_size=8000, max_context=256,
+        text_tokenizer="bytes", batch_invariant=False, demo_wiring=True,
+    )
+    base.update(overrides)
+    return MtpLMConfig(**base)
+
+
 def _ints(value) -> tuple[int, ...]:
     if hasattr(value, "tolist"):
         value = value.tolist()

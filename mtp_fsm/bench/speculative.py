@@ -1,17 +1,21 @@
-"""Speculative decoding on the tiny MTP LM: k = 0..4 side by side, the same requests each time.
+"""Speculative decoding on the MTP LMs: frames/s at k = 0..K side by side per (model, workload, batch), the same requests each time.
 
-Per k and workload (greedy, sampled): engine steps and verify steps per request, drafts
-accepted, frames per verify row, wall time per frame, the median decode-only step (no
-prefill row in it: the verify step at k > 0, the plain decode step at k = 0) and the
-engine's overhead per step (step time minus the time inside the model's calls). Rounds
-rotate the order of k so a noisy machine does not favour one; medians over rounds.
+For each (model, workload, batch) one engine per k runs the same B requests to their end,
+their steps interleaved (each round steps every engine once, the order rotating), so a noisy
+machine slows every k alike. Each engine has its own copy of the model (shared weights, its
+own KV). Timed on the stepping thread's CPU clock (torch runs on that one thread; time other
+processes take the core away is left out). After the first step (every prompt in one prefill
+step) every step is a decode step: speed_vs_k0 = (frames / decode time at k) / (the same at
+k = 0), the frames checked identical to k = 0 request by request; verify step / plain step
+is the median decode step at k over the one at k = 0 while all B rows still decode.
+Acceptance: drafts accepted / proposed; frames per verify row (1 + accepted per row).
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
-from typing import Callable
 
 import torch
 
@@ -21,120 +25,149 @@ from ..sampling import SamplingParams
 TEXTS = ("Hello, this is the lockstep engine.", "Speculative decoding drafts with MTP.", "abc",
          "A longer sentence gives the drafter room to run ahead.")
 WORKLOADS = {"greedy": SamplingParams(top_k=1), "sampled": SamplingParams(temperature=0.9, top_k=50)}
-MODEL = "mtp_lm"  # the tiny MTP LM of models/, through the serving loader
-MODEL_CALLS = ("forward", "cb0_logits", "draft", "frame_embed", "text_step")
+# Loaded by factory path: the engine package never imports `models`. The wide model (>= 100M
+# parameters, bfloat16) is slow on a CPU: fewer frames and ks.
+MODELS = {
+    "tiny": dict(factory="mtp_lm", ks=(0, 1, 2, 3, 4), batches=(1, 8), max_frames=48),
+    "wide": dict(factory="models.mtp_lm:wide_demo_talker", ks=(0, 1, 3), batches=(1, 8), max_frames=32),
+}
+TARGETS = (
+    ("tiny mtp_lm, greedy, B=1: k=3 >= 1.3x k=0", "tiny", "greedy", 1, (3,), "speed_vs_k0", ">=", 1.3),
+    ("tiny mtp_lm, sampled, B=8: no k slower than 0.9x k=0", "tiny", "sampled", 8, None, "speed_vs_k0", ">=", 0.9),
+    ("wide mtp_lm, greedy, B=1: k=3 >= 1.8x k=0", "wide", "greedy", 1, (3,), "speed_vs_k0", ">=", 1.8),
+    ("wide mtp_lm, greedy, B=8: k=3 >= 1.8x k=0", "wide", "greedy", 8, (3,), "speed_vs_k0", ">=", 1.8),
+    ("wide mtp_lm, greedy, B=1: verify step / plain step at k=3 <= 1.4", "wide", "greedy", 1, (3,), "step_vs_k0", "<=",
+     1.4),
+    ("wide mtp_lm, greedy, B=8: verify step / plain step at k=3 <= 1.4", "wide", "greedy", 8, (3,), "step_vs_k0", "<=",
+     1.4),
+)
 
 
-def _timed_model(model, spent: list[float]):
-    """Wrap the model's engine entry points so the time inside them is summed into spent[0]."""
-    for name in MODEL_CALLS:
-        inner = getattr(model, name)
+class _Run:
+    """One engine at one k, stepped by the caller; its step times and frames."""
 
-        def call(*args, _inner=inner, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _inner(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - t0
+    def __init__(self, model, k: int, batch: int, sampling: SamplingParams, inputs_of, max_frames: int):
+        self.k = k
+        self.engine = LockstepEngine(model, batch, kernels="torch", speculate=k,
+                                     policy=SchedulingPolicy(token_budget=1024, prefill_chunk=256))
+        for i in range(batch):
+            self.engine.add_request(NewRequest(f"r{i}", inputs_of(TEXTS[i % len(TEXTS)]), max_frames, seed=i,
+                                               cb0_sampling=sampling))
+        self.frames: dict[str, list] = {f"r{i}": [] for i in range(batch)}
+        self.steps: list[tuple[float, int, int]] = []  # (cpu seconds, frames, rows decoding)
+        self.done = False
 
-        setattr(model, name, call)
-    return model
-
-
-def run_once(factory: Callable, inputs_of: Callable, k: int, sampling: SamplingParams, num_requests: int,
-             max_frames: int, max_slots: int) -> dict:
-    spent = [0.0]
-    model = _timed_model(factory(), spent)
-    engine = LockstepEngine(model, max_slots, kernels="torch", speculate=k,
-                            policy=SchedulingPolicy(token_budget=512, prefill_chunk=64))
-    for i in range(num_requests):
-        engine.add_request(NewRequest(f"r{i}", inputs_of(TEXTS[i % len(TEXTS)]), max_frames, seed=i,
-                                      cb0_sampling=sampling))
-    frames = steps = 0  # engine steps until every request ended (the batch runs together)
-    decode_steps, overheads = [], []
-    started = time.perf_counter()
-    while True:
-        before_model, t0 = spent[0], time.perf_counter()
-        plan = None if engine.idle else engine.scheduler.schedule()
-        if plan is None:
-            break
-        prefill = any(engine.ledger.records[s.request_id].in_prefill for s in plan.rows if s is not None
-                      and s.request_id in engine.ledger.records)
-        out = engine.step(plan)
-        elapsed = time.perf_counter() - t0
-        steps += 1
-        frames += len(out.frames)
-        if plan.rows and not prefill and not plan.new_requests and not plan.resumes:
-            decode_steps.append(elapsed)
-            overheads.append(elapsed - (spent[0] - before_model))
-    wall = time.perf_counter() - started
-    stats = engine.speculation
-    row = {"steps": steps, "frames": frames, "wall_s": wall, "ms_per_frame": 1e3 * wall / max(frames, 1),
-           "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
-           "overhead_ms": 1e3 * statistics.median(overheads) if overheads else None,
-           "verify_steps_per_request": None}
-    if stats is not None:
-        row.update(acceptance=stats.acceptance_rate, frames_per_verify_row=stats.frames_per_row)
-    return row
+    def step(self) -> None:
+        rows = sum(1 for r in self.engine.ledger.records.values() if not r.in_prefill)
+        t0 = time.thread_time()
+        out = self.engine.step()
+        elapsed = time.thread_time() - t0
+        if out is None:
+            self.done = True
+            self.engine.close()
+            return
+        for f in out.frames:
+            self.frames[f.request_id].append(int(f.codes[0]))
+        self.steps.append((elapsed, len(out.frames), rows))
 
 
-def bench_speculative(ks=(0, 1, 2, 3, 4), rounds: int = 3, num_requests: int = 8, max_frames: int = 48,
-                      max_slots: int = 8, log=print) -> dict:
+def _measure(model, inputs_of, ks, batch: int, sampling: SamplingParams, max_frames: int) -> dict[int, dict]:
+    runs = [_Run(copy.copy(model), k, batch, sampling, inputs_of, max_frames) for k in ks]
+    turn = 0
+    while not all(r.done for r in runs):
+        for r in runs[turn % len(runs):] + runs[: turn % len(runs)]:
+            if not r.done:
+                r.step()
+        turn += 1
+    base = runs[0]
+    out = {}
+    for r in runs:
+        if r.frames != base.frames:  # the identity property, tested frame by frame in tests/
+            raise AssertionError(f"k={r.k} published other frames than k={base.k}")
+        decode = r.steps[1:]  # the first step prefilled every prompt
+        frames, seconds = sum(f for _, f, _ in decode), sum(t for t, _, _ in decode)
+        full = [t for t, _, rows in decode if rows == batch] or [t for t, _, _ in decode]
+        stats = r.engine.speculation
+        out[r.k] = {"frames": sum(len(v) for v in r.frames.values()), "steps": len(r.steps),
+                    "decode_frames_per_s": frames / seconds if seconds else 0.0,
+                    "decode_step_ms": 1e3 * statistics.median(full) if full else None,
+                    "acceptance": stats.acceptance_rate if stats else 0.0,
+                    "frames_per_verify_row": stats.frames_per_row if stats else 1.0}
+    for k, row in out.items():
+        row["speed_vs_k0"] = row["decode_frames_per_s"] / out[ks[0]]["decode_frames_per_s"]
+        row["step_vs_k0"] = row["decode_step_ms"] / out[ks[0]]["decode_step_ms"]
+    return out
+
+
+def bench_speculative(models: dict | None = None, rounds: int = 2, log=print) -> dict:
+    """models: name -> overrides of MODELS' settings (None: every model as set). Returns {"rounds", "models": {name: {params, factory, ks, max_frames}}, "rows": [one per (model,
+    workload, batch, k): medians over rounds], "speed_vs_k0": {model: {workload: {batch: {k: x}}}},
+    "targets": [...]}."""
     from ..serving.model_loader import load_talker
 
-    def factory():  # by its short name: the engine package never imports `models`
-        return load_talker(MODEL).model
-
-    inputs_of = load_talker(MODEL).text_inputs
-    out: dict = {"ks": list(ks), "rounds": rounds, "requests": num_requests, "max_frames": max_frames,
-                 "max_slots": max_slots, "workloads": {}}
-    for name, sampling in WORKLOADS.items():
-        runs: dict[int, list[dict]] = {k: [] for k in ks}
-        expected = None
-        for r in range(rounds):
-            order = list(ks[r % len(ks):]) + list(ks[: r % len(ks)])
-            for k in order:
+    section: dict = {"rounds": rounds, "models": {}, "rows": [], "speed_vs_k0": {}}
+    for name, cfg in MODELS.items():
+        if models is not None and name not in models:
+            continue
+        cfg = {**cfg, **(models or {}).get(name, {})}  # e.g. {"tiny": {"ks": (0, 2)}} for a smoke test
+        loaded = load_talker(cfg["factory"])
+        params = sum(p.numel() for p in loaded.model.module.parameters())
+        section["models"][name] = {"factory": cfg["factory"], "parameters": params, "ks": list(cfg["ks"]),
+                                   "batches": list(cfg["batches"]), "max_frames": cfg["max_frames"],
+                                   "dtype": str(loaded.model.spec.dtype).replace("torch.", "")}
+        for workload, sampling in WORKLOADS.items():
+            for batch in cfg["batches"]:
                 with torch.inference_mode():
-                    row = run_once(factory, inputs_of, k, sampling, num_requests, max_frames, max_slots)
-                runs[k].append(row)
-                expected = row["frames"] if expected is None else expected
-                if row["frames"] != expected:  # the identity property, tested frame by frame in tests/
-                    raise AssertionError(f"{name}: k={k} published {row['frames']} frames, other runs {expected}")
-        table = {}
-        for k in ks:
-            rows = runs[k]
-            merged = {key: statistics.median(r[key] for r in rows) for key in rows[0] if rows[0][key] is not None}
-            table[k] = merged
-        base = table[ks[0]]
-        for k in ks:
-            if table[k].get("decode_step_ms") and base.get("decode_step_ms"):
-                table[k]["step_vs_k0"] = table[k]["decode_step_ms"] / base["decode_step_ms"]
-            table[k]["speedup_per_frame"] = base["ms_per_frame"] / table[k]["ms_per_frame"]
-            m = table[k]
-            log(f"  {name} k={k}: acceptance {m.get('acceptance', 0):.3f}, {m.get('frames_per_verify_row', 1):.2f} "
-                f"frames/verify row, {m['steps']:.0f} engine steps, {m['ms_per_frame']:.2f} ms/frame "
-                f"({m['speedup_per_frame']:.2f}x k=0), decode step {m.get('decode_step_ms', float('nan')):.2f} ms "
-                f"({m.get('step_vs_k0', float('nan')):.2f}x k=0), overhead {m.get('overhead_ms', float('nan')):.2f} ms")
-        out["workloads"][name] = table
+                    per_round = [_measure(loaded.model, loaded.text_inputs, cfg["ks"], batch, sampling, cfg["max_frames"])
+                                 for _ in range(rounds)]
+                for k in cfg["ks"]:
+                    rows = [r[k] for r in per_round]
+                    row = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+                    row.update(model=name, workload=workload, batch=batch, k=k)
+                    section["rows"].append(row)
+                    section["speed_vs_k0"].setdefault(name, {}).setdefault(workload, {}).setdefault(str(batch), {})[
+                        str(k)] = row["speed_vs_k0"]
+                    log(f"  {name} {workload} B={batch} k={k}: {row['speed_vs_k0']:.2f}x k=0 frames/s, step "
+                        f"{row['decode_step_ms']:.2f} ms ({row['step_vs_k0']:.2f}x), acceptance {row['acceptance']:.3f}, "
+                        f"{row['frames_per_verify_row']:.2f} frames/verify row")
+    section["targets"] = judge(section)
+    return section
+
+
+def judge(section: dict) -> list[dict]:
+    """Each target of issue 30 that this run measured: met or missed, with the values."""
+    out = []
+    for text, model, workload, batch, ks, key, op, bound in TARGETS:
+        rows = [r for r in section["rows"] if (r["model"], r["workload"], r["batch"]) == (model, workload, batch)
+                and r["k"] > 0 and (ks is None or r["k"] in ks)]
+        if not rows:
+            continue
+        values = {r["k"]: r[key] for r in rows}
+        worst = min(values.values()) if op == ">=" else max(values.values())
+        met = worst >= bound if op == ">=" else worst <= bound
+        out.append({"target": text, "met": met, "values": values})
     return out
 
 
 def speculative_table(section: dict) -> str:
+    models = ", ".join(f"{n} ({m['parameters'] / 1e6:.1f}M parameters, {m['dtype']}, up to {m['max_frames']} frames)"
+                       for n, m in section["models"].items())
     lines = [
-        f"Speculative decoding on the tiny MTP LM (`bench/speculative.py`): {section['requests']} requests of up to "
-        f"{section['max_frames']} tokens, {section['max_slots']} slots, k = 0..{max(section['ks'])} side by side, "
-        f"median of {section['rounds']} rotated rounds; the frames are the same for every k (checked). Decode step: "
-        "median of steps without a prefill row (k > 0: the verify step); overhead: step minus time in the model.",
+        f"Speculative decoding on the MTP LMs (`bench/speculative.py`): {models}; per (model, workload, batch) one "
+        f"engine per k on the same requests, steps interleaved, median of {section['rounds']} rounds, frames checked "
+        "identical to k=0. Speed: decode frames/s vs k=0 (the step thread's CPU time after the prefill step); step: "
+        "median decode step with every row decoding (k > 0: the verify step) vs k=0's.",
         "",
-        "| workload | k | acceptance | frames / verify row | engine steps | ms / frame | speed vs k=0 | "
-        "decode step ms | cost vs k=0 | engine overhead ms/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | workload | batch | k | acceptance | frames / verify row | speed vs k=0 | decode step ms | step vs k=0 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, table in section["workloads"].items():
-        for k, m in table.items():
-            lines.append(
-                f"| {name} | {k} | {m.get('acceptance', 0):.3f} | {m.get('frames_per_verify_row', 1.0):.2f} | "
-                f"{m['steps']:.0f} | {m['ms_per_frame']:.2f} | {m['speedup_per_frame']:.2f}× | "
-                f"{m.get('decode_step_ms', float('nan')):.2f} | {m.get('step_vs_k0', float('nan')):.2f}× | "
-                f"{m.get('overhead_ms', float('nan')):.2f} |")
+    for r in section["rows"]:
+        lines.append(f"| {r['model']} | {r['workload']} | {r['batch']} | {r['k']} | {r['acceptance']:.3f} | "
+                     f"{r['frames_per_verify_row']:.2f} | {r['speed_vs_k0']:.2f}× | {r['decode_step_ms']:.2f} | "
+                     f"{r['step_vs_k0']:.2f}× |")
+    if section.get("targets"):
+        lines += ["", "Targets (issue 30):", ""]
+        for t in section["targets"]:
+            values = ", ".join(f"k={k}: {v:.2f}" for k, v in t["values"].items())
+            lines.append(f"- {t['target']}: **{'met' if t['met'] else 'missed'}** ({values})")
     return "\n".join(lines)

@@ -11,7 +11,8 @@ from ..kernels.contract import OUT_ERROR, OUT_REASON, OUT_STATE, StepBatch
 from ..kernels.reference import in_class
 from ..lifecycle import CLASS_LIVE
 from ..model_api import ColumnSpec, DraftInputs
-from ..sampling import sample_tokens
+from ..sampling import row_faults, sample_tokens
+from ..sampling.params import NO_SAMPLED_ROWS
 from ..sampling.faults import FAULT_DRAFT, fault_word
 
 # Engine-owned slot column: the k tokens the drafter proposed for the row's next step (reset
@@ -216,6 +217,17 @@ class SpeculativeStep:
         allowed, table, slot = self._allowed, self.table, batch.idx_mapping
         params = (table.cb0_temperature[slot], table.cb0_top_k[slot], table.cb0_top_p[slot], table.seed[slot])
         first = table.num_frames[slot]
+
+        k_min = batch.cb0_top_k_min
+        if k_min is not None and (k_min >= NO_SAMPLED_ROWS or k_min == batch.cb0_top_k_max == 1):
+            # Every row is greedy or keeps one id: its draw is the argmax, no noise to draw.
+            def choose(logits: torch.Tensor, index: int) -> torch.Tensor:
+                clean, kind = row_faults(logits, allowed)
+                new = (kind != 0) & (faults == 0)
+                faults.copy_(torch.where(new, fault_word(FAULT_DRAFT, index), faults))
+                return clean.argmax(dim=-1)
+
+            return choose
 
         def choose(logits: torch.Tensor, index: int) -> torch.Tensor:
             tokens, kind = sample_tokens(logits, *params, first + index, 0, allowed=allowed,

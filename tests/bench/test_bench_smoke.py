@@ -202,12 +202,26 @@ def test_speculative_bench_runs_every_k_on_the_same_frames_and_renders():
     from mtp_fsm.bench.speculative import bench_speculative, speculative_table
 
     with torch_threads(1):
-        section = bench_speculative(ks=(0, 2), rounds=1, num_requests=2, max_frames=6, max_slots=2, log=lambda _: None)
-    greedy = section["workloads"]["greedy"]
-    assert greedy[0]["frames"] == greedy[2]["frames"] > 0  # bench_speculative also raises on a mismatch
-    assert 0.0 <= greedy[2]["acceptance"] <= 1.0 and greedy[2]["frames_per_verify_row"] >= 1.0
+        section = bench_speculative({"tiny": dict(ks=(0, 2), batches=(2,), max_frames=6)}, rounds=1, log=lambda _: None)
+    rows = {(r["workload"], r["k"]): r for r in section["rows"]}
+    assert rows["greedy", 0]["frames"] == rows["greedy", 2]["frames"] > 0  # bench_speculative also raises on a mismatch
+    assert 0.0 <= rows["greedy", 2]["acceptance"] <= 1.0 and rows["greedy", 2]["frames_per_verify_row"] >= 1.0
+    assert section["speed_vs_k0"]["tiny"]["sampled"]["2"]["0"] == 1.0
+    assert section["speed_vs_k0"]["tiny"]["greedy"]["2"]["2"] == rows["greedy", 2]["speed_vs_k0"] > 0
     table = speculative_table(section)
-    assert "| greedy | 2 |" in table and "| sampled | 0 |" in table
+    assert "| tiny | greedy | 2 | 2 |" in table and "| tiny | sampled | 2 | 0 |" in table
+    assert section["targets"] == []  # no target is measured at B=2
+
+
+def test_speculative_targets_are_judged_on_the_worst_k():
+    from mtp_fsm.bench.speculative import judge
+
+    rows = [dict(model="tiny", workload="sampled", batch=8, k=k, speed_vs_k0=v, step_vs_k0=1.0)
+            for k, v in ((0, 1.0), (1, 1.2), (2, 0.85))]
+    (target,) = judge({"rows": rows})
+    assert not target["met"] and target["values"] == {1: 1.2, 2: 0.85}
+    rows[2]["speed_vs_k0"] = 0.95
+    assert judge({"rows": rows})[0]["met"]
 
 
 def test_the_speech_out_section_judges_the_lowest_ratio():
