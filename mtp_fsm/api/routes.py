@@ -220,7 +220,23 @@ async def _streamed(request: Request, svc: SpeechService, flight: _Flight, heade
     media = "text/event-stream" if sse else "application/x-ndjson" if codes else "audio/pcm"
     flight.handed_over = True
     log.debug("speech %s streaming (%s)", rid, media)
-    return StreamingResponse(body(), media_type=media, headers={**headers, "Cache-Control": "no-cache"})
+    return _FlightResponse(body(), flight, media_type=media, headers={**headers, "Cache-Control": "no-cache"})
+
+
+class _FlightResponse(StreamingResponse):
+    """Ends its flight however the response ends: a body that never started (the client left before the
+    headers went out) runs no `finally` of its own, and the gate slot and the engine request would leak."""
+
+    def __init__(self, content, flight: _Flight, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._flight = flight
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            reader = self._flight.reader
+            self._flight.end(disconnected=reader is not None and not reader.done)
 
 
 async def _first(items):
