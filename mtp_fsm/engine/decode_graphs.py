@@ -18,8 +18,10 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def resolve_mode(mode: str, device: torch.device, kernels, decode_width: int) -> str:
-    """"auto": CUDA graphs where they can run (a CUDA device, Triton kernels, one token per
-    decode row), else off. "eager": the padded buffers without capture (what a graph replays,
+    """"auto": CUDA graphs where they can run (a CUDA device, Triton kernels) for one token
+    per decode row, else off; a speculative engine's verify rows (decode_width = k + 1)
+    take buckets when asked ("eager" or "cuda"), since their capture has not been checked
+    on a GPU yet. "eager": the padded buffers without capture (what a graph replays,
     runnable anywhere: the CPU check of this path). "cuda" refuses what cannot be captured."""
     if mode not in MODES:
         raise KernelBackendError(f"unknown decode_graphs mode {mode!r}; choose one of {MODES}")
@@ -31,9 +33,6 @@ def resolve_mode(mode: str, device: torch.device, kernels, decode_width: int) ->
             f"decode_graphs='cuda' needs a CUDA device and the Triton kernels (device {device}, kernels "
             f"{kernels.__name__}): "
             "the torch reference stages read host values on purpose (candidate sampling) and cannot be captured")
-    if mode != "off" and decode_width != 1:
-        raise KernelBackendError(f"decode_graphs={mode!r} runs one token per decode row; speculative decoding "
-                                 f"(decode rows of {decode_width} tokens) steps eagerly: use decode_graphs='off'")
     return mode
 
 
@@ -47,12 +46,15 @@ def host_facts(batch: StepBatch) -> tuple:
 
 
 class BucketStep:
-    """One bucket's persistent StepBatch (row i <-> token i; padding rows point at the scratch
-    row, one inert token each), and on CUDA the captured graph of the device stages over it."""
+    """One bucket's persistent StepBatch (row i <-> tokens i * W .. i * W + W - 1, W the decode
+    width: 1, or k + 1 for a speculative engine's verify rows; padding rows point at the
+    scratch row, W inert tokens each), and on CUDA the captured graph of the device stages
+    over it."""
 
     def __init__(self, bucket: int, scratch: int, like: StepBatch, device: torch.device,
                  run: Callable[[StepBatch], torch.Tensor]) -> None:
         self.bucket, self.scratch, self._run = bucket, scratch, run
+        width = self.width = like.decode_width
         arange = torch.arange(bucket, dtype=torch.int64, device=device)
         facts = dict(zip(HOST_FACTS, host_facts(like)))
         self.batch = StepBatch(
@@ -60,9 +62,11 @@ class BucketStep:
             is_padding=torch.ones(bucket, dtype=torch.bool, device=device),
             expected_serial=torch.zeros(bucket, dtype=torch.int64, device=device),
             num_scheduled=torch.zeros(bucket, dtype=torch.int64, device=device),
-            query_start_loc=torch.arange(bucket + 1, dtype=torch.int64, device=device),
-            token_rows=arange.clone(), token_offsets=torch.zeros(bucket, dtype=torch.int64, device=device),
-            last_token=arange.clone(), **{**facts, "has_prefill": False, "decode_width": 1, "tokens_are_rows": True},
+            query_start_loc=torch.arange(bucket + 1, dtype=torch.int64, device=device) * width,
+            token_rows=arange.repeat_interleave(width),
+            token_offsets=torch.arange(width, dtype=torch.int64, device=device).repeat(bucket),
+            last_token=arange * width + width - 1,
+            **{**facts, "has_prefill": False, "decode_width": width, "tokens_are_rows": width == 1},
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the captured step's packed output (static)
@@ -109,13 +113,15 @@ class BucketStep:
         self._loaded, self._rows = None, 0
 
     def run(self, rows: int) -> torch.Tensor:
-        """The step over the loaded rows: packed output of the real rows + the global row."""
+        """The step over the loaded rows: packed output of the real rows (per_row packed rows
+        each: 1, or a speculative step's verify positions) + the global row."""
         if self.graph is not None:
             self.graph.replay()
             out = self.out
         else:
             out = self._run(self.batch)
-        return out if rows == self.bucket else torch.cat([out[:rows], out[-1:]])
+        per_row = (out.shape[0] - 1) // self.bucket
+        return out if rows == self.bucket else torch.cat([out[:rows * per_row], out[-1:]])
 
 
 class DecodeGraphs:
@@ -137,7 +143,7 @@ class DecodeGraphs:
     def eligible(self, host) -> bool:
         batch = host.batch
         return (host.events is None and host.admits is None and not batch.has_prefill
-                and batch.num_tokens == batch.num_rows and 0 < batch.num_rows <= self.buckets[-1])
+                and batch.num_tokens == batch.num_rows * batch.decode_width and 0 < batch.num_rows <= self.buckets[-1])
 
     def key(self, batch: StepBatch) -> tuple:
         """(bucket, host facts): which BucketStep a batch runs on (built, captured, on first use)."""
