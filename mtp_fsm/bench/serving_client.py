@@ -1,8 +1,7 @@
-"""The serving bench's client: one round of n concurrent PCM streams, timed at the client (stdlib + httpx only).
+"""The serving bench's client: one round of n concurrent PCM streams, timed at the client (stdlib + httpx only)."""
 
-Run as a script (`python serving_client.py URL N MAX_FRAMES SEED`), not as `-m mtp_fsm.bench...`: importing
-the bench package would load torch and matplotlib into every client process. Prints one JSON line.
-"""
+# Run as a script (`python serving_client.py URL N MAX_FRAMES SEED`), not as `-m mtp_fsm.bench...`: importing
+# the bench package would load torch and matplotlib into every client process. Prints one JSON line.
 
 from __future__ import annotations
 
