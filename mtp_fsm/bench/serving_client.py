@@ -47,6 +47,8 @@ async def run_round(url: str, n: int, max_frames: int, seed: int) -> tuple[list[
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 5:
+        sys.exit("usage: serving_client.py URL N MAX_FRAMES SEED")
     url, n, max_frames, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     rows, wall = asyncio.run(run_round(url, n, max_frames, seed))
     print(json.dumps({"rows": rows, "wall_s": wall}))
