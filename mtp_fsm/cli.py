@@ -213,9 +213,6 @@ def _demo(args: argparse.Namespace) -> int:
 
         if args.audio:
             raise UsageError("--audio runs on the embedded backend only")
-        if args.speculate:
-            raise UsageError("--speculate runs on the embedded backend only (vLLM's scheduler plans one token "
-                             "per decode row)")
         try:
             return run_vllm_demo(args, DEMO_TEXTS)
         except ValueError as exc:  # settings vLLM or the talker refuse

@@ -11,7 +11,7 @@ import torch
 
 from ..engine.plan import FrameBatch, NewRequest
 from ..serving import ChunkingSink, JsonlSink
-from ..cli import report_demo
+from ..cli import report_demo, speculation_line
 from .llm import TalkerLLM
 
 
@@ -26,9 +26,10 @@ def run_vllm_demo(args: argparse.Namespace, texts: tuple[str, ...]) -> int:
     # the demo's output its summary.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    speculate = getattr(args, "speculate", 0)
     llm = TalkerLLM(args.model, seed=args.seed, max_num_seqs=args.max_slots, kernels=kernels,
                     max_num_batched_tokens=max(args.token_budget, args.max_slots),
-                    long_prefill_token_threshold=args.prefill_chunk)
+                    long_prefill_token_threshold=max(args.prefill_chunk, 1 + speculate), speculate=speculate)
     chunk_sizes: list[int] = []
     chunker = ChunkingSink(lambda chunk: chunk.has_audio and chunk_sizes.append(len(chunk.frames)),
                            num_codebooks=llm.talker.model.spec.num_codebooks)
@@ -54,9 +55,12 @@ def run_vllm_demo(args: argparse.Namespace, texts: tuple[str, ...]) -> int:
     finally:
         jsonl.close()
     metrics = llm.metrics()
+    stats = llm.speculation() if speculate else None
     llm.close()
     report_demo(metrics, chunker, len(chunk_sizes), args.out,
                 f"{llm.talker.name} under vLLM: {args.requests} requests, {args.max_slots} seqs")
+    if stats is not None:  # the worker engine's counts (its steps are vLLM's)
+        print(speculation_line(stats, metrics.total_frames, metrics.num_steps))
     return 0
 
 

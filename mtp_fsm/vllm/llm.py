@@ -47,14 +47,24 @@ class TalkerLLM:
     spawned processes: callers need an `if __name__ == "__main__":` guard).
     Extra keyword arguments go to `vllm.LLM` (e.g. `num_gpu_blocks_override` for a KV budget,
     `max_num_batched_tokens` for the per-step token budget).
+
+    speculate=k: speculative decoding with the talker's drafter, vLLM planning each decoding
+    request's 1 + k verify tokens (vllm/speculation.py): vLLM gets a speculative_config,
+    max_model_len = the talker's context + k + 1, and a token budget that holds every running
+    row whole (max_num_seqs x max_model_len at least). Frames are the embedded engine's.
     """
 
     def __init__(self, talker: str = "qwen3_tts", *, talker_kwargs: dict[str, Any] | None = None, seed: int = 0,
                  max_num_seqs: int = 16, max_model_len: int | None = None, kernels: str = "torch",
-                 multiprocessing: bool = False, model_dir: str | Path | None = None, **llm_kwargs: Any) -> None:
-        self.config = TalkerDirConfig(talker, talker_kwargs, seed, kernels)
+                 multiprocessing: bool = False, model_dir: str | Path | None = None, speculate: int = 0,
+                 **llm_kwargs: Any) -> None:
+        self.config = TalkerDirConfig(talker, talker_kwargs, seed, kernels, speculate=speculate)
         self.talker = self.config.load_talker()
         spec = self.talker.model.spec
+        self.speculate = speculate
+        if speculate:
+            max_model_len = max_model_len or spec.max_context + self.config.extra_positions
+            llm_kwargs = with_speculation(llm_kwargs, speculate, max_num_seqs, max_model_len)
         self.stop_token_id = stop_token_id(spec)
         self._stop_frame_published = lifecycle_for(spec.lifecycle).publishes_stop_frame
         self._tmp = None
@@ -68,6 +78,7 @@ class TalkerLLM:
         from .worker import WORKER_CLS
 
         self._running: dict[str, Generation] = {}
+        self._max_frames: dict[str, int] = {}
         self._aborting: dict[str, Generation] = {}
         self._ended: dict[str, None] = {}  # recently ended ids, oldest first
         self.dropped_records = 0  # worker records for ids this frontend never ran (logged)
@@ -108,6 +119,7 @@ class TalkerLLM:
         prompt, params = self.vllm_request(request)
         self.llm.llm_engine.add_request(request.request_id, prompt, params)
         self._running[request.request_id] = Generation(request.request_id)
+        self._max_frames[request.request_id] = request.max_frames
 
     def abort(self, request_id: str) -> None:
         """End a request through vLLM; its worker aborts it in the engine at the next step,
@@ -147,6 +159,7 @@ class TalkerLLM:
         return ended
 
     def _remember_ended(self, request_id: str) -> None:
+        self._max_frames.pop(request_id, None)
         self._ended[request_id] = None
         while len(self._ended) > _ENDED_MEMORY:
             del self._ended[next(iter(self._ended))]
@@ -216,7 +229,12 @@ class TalkerLLM:
         reason = None if generation.finished is None else generation.finished.reason
         if reason is FinishReason.EOS and self._stop_frame_published and cb0:
             cb0 = cb0[:-1]  # the ending step published the last frame: its token is the stop id
-        expected = cb0 + ([self.stop_token_id] if reason in (FinishReason.EOS, FinishReason.ERROR) else [])
+        # Speculative: an engine LENGTH end short of max_frames is the context's, which vLLM
+        # (its max_model_len past the context) learns from the stop id too.
+        context_end = (self.speculate and reason is FinishReason.LENGTH
+                       and len(generation.frames) < self._max_frames.get(generation.request_id, len(generation.frames)))
+        stopped = reason in (FinishReason.EOS, FinishReason.ERROR) or context_end
+        expected = cb0 + ([self.stop_token_id] if stopped else [])
         if generation.finished is None and completion.finish_reason == "length":
             expected = cb0  # vLLM's own cap (max_tokens or max_model_len) ended it before the engine did
         if tokens != expected:
@@ -232,6 +250,10 @@ class TalkerLLM:
             generation.finished = FinishedRequest(generation.request_id, reason, len(generation.frames),
                                                   f"ended by vLLM ({completion.finish_reason})")
 
+    def speculation(self):
+        """The worker engine's SpeculationStats (drafts proposed / accepted); None without speculation."""
+        return pickle.loads(self.llm.collective_rpc("mtp_fsm_speculation")[0])
+
     def close(self) -> None:
         """Shut vLLM down and delete the temporary model directory."""
         engine = getattr(self.llm, "llm_engine", None)
@@ -246,6 +268,19 @@ class TalkerLLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def with_speculation(llm_kwargs: dict, k: int, max_num_seqs: int, max_model_len: int) -> dict:
+    """vLLM's keyword arguments for k drafts a row: the speculative_config, and budgets that never
+    cut a verify row short (the engine's rows are exactly 1 + k tokens wide)."""
+    from .speculation import speculative_config
+
+    out = {**llm_kwargs, "speculative_config": llm_kwargs.get("speculative_config") or speculative_config(k)}
+    out["max_num_batched_tokens"] = max(int(out.get("max_num_batched_tokens") or 0), max_num_seqs * max_model_len)
+    threshold = int(out.get("long_prefill_token_threshold") or 0)
+    if 0 < threshold < 1 + k:
+        raise ValueError(f"long_prefill_token_threshold {threshold} would cut a verify row of {1 + k} tokens short")
+    return out
 
 
 __all__ = ["FrameChannelError", "TalkerLLM"]

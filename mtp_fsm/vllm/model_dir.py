@@ -31,6 +31,15 @@ class TalkerDirConfig:
     seed: int = 0
     kernels: str = "torch"
     stop_token_id: int = 0
+    # Speculative decoding: k drafts per decode row (vLLM's speculative_config plans them).
+    speculate: int = 0
+
+    @property
+    def extra_positions(self) -> int:
+        """vLLM's max_model_len for a talker of `max_context` KV positions: plus k + 1 under
+        speculation, so vLLM never cuts a verify row short at the context's end (the engine
+        ends the request there by itself)."""
+        return self.speculate + 1 if self.speculate else 0
 
     def load_talker(self) -> LoadedTalker:
         return load_talker(self.talker, seed=self.seed, kwargs=self.talker_kwargs)
@@ -59,7 +68,7 @@ def write_model_dir(directory: str | Path, config: TalkerDirConfig, model: Talke
         "architectures": [architecture],
         "model_type": "qwen3",  # vLLM validates model_type against transformers
         "vocab_size": max(spec.backbone_vocab_size, stop + 1),
-        "max_position_embeddings": spec.max_context,
+        "max_position_embeddings": spec.max_context + config.extra_positions,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": layout.num_layers if layout else 1,
         "num_attention_heads": layout.kv_heads if layout else 1,

@@ -14,13 +14,15 @@ from ..lifecycle import CLASS_TERMINAL, FinishReason, State
 from ..serving.metrics import ServingMetrics, StepMetrics
 from .frame_store import FrameStore
 from .request_codec import EXTRA_ARGS_KEY, decode_request, with_vllm_rules
+from .speculation import DraftBook
 
 
 @attrs.frozen
 class MappedStep:
     """The engine's answer to one scheduler output, in vLLM's terms."""
 
-    sampled: dict[str, list[int]]  # per scheduled request: [] (no token), [cb0] or [stop id]
+    sampled: dict[str, list[int]]  # per scheduled request: [] (no token), [cb0] or [stop id]; speculative: the
+    # CB0 of every frame the verify row published, then the stop id if the engine ended it
     output: StepOutput | None  # the engine step run (None: nothing to do)
 
 
@@ -39,6 +41,9 @@ class ScheduleMapper:
     - rows: `num_scheduled_tokens`, one Span each.
     The CB0 of a published frame is the sampled token; an EOS finish (or an error) returns
     the stop id so vLLM's stop check ends the request; every other row returns nothing.
+    A speculative engine (vllm/speculation.py) returns every frame its verify row published,
+    the stop id after them also when it ended the request at the context's end (vLLM's
+    max_model_len is past it), and keeps the drafts for `take_draft_token_ids`.
     """
 
     def __init__(self, engine: LockstepEngine, stop_token_id: int, inputs_type: type,
@@ -49,6 +54,8 @@ class ScheduleMapper:
         self._terminal = frozenset(engine.compiled.states_in(CLASS_TERMINAL))
         self._caller: dict[str, str] = {}  # vLLM's internal id -> the caller's id
         self._rejected: set[str] = set()  # refused at admission: vLLM still schedules them once
+        self._max_frames: dict[str, int] = {}  # speculative: a LENGTH end short of max_frames is the context's
+        self.drafts = DraftBook(engine) if engine.speculate else None
 
     # -- the step ------------------------------------------------------------------------
 
@@ -62,8 +69,11 @@ class ScheduleMapper:
         if plan.new_requests or plan.rows or plan.aborts or plan.preempts or plan.resumes or plan.releases:
             output = self._run(plan)
             sampled.update(self._sampled(output))
+            if self.drafts is not None:
+                self.drafts.after_step(output.rows.request_ids)
         for rid in (*plan.releases, *plan.aborts):
             self._caller.pop(rid, None)
+            self._max_frames.pop(rid, None)
         return MappedStep(sampled, output)
 
     def _finished_ids(self, finished: set[str]) -> tuple[list[str], list[str]]:
@@ -126,6 +136,7 @@ class ScheduleMapper:
             self._reject(rid, extra, AdmissionError(rid, f"{type(exc).__name__}: {exc}"))
             return None
         self._caller[rid] = caller
+        self._max_frames[rid] = request.max_frames
         self.frames.open(caller)
         self.metrics.on_submit(caller, self.clock())
         return request
@@ -162,10 +173,17 @@ class ScheduleMapper:
         sampled: dict[str, list[int]] = {rid: [] for rid in output.rows.request_ids if rid is not None}
         codes = output.frames.codes
         for row, rid in enumerate(output.frames.request_ids):
-            sampled[rid] = [int(codes[row, 0])]
+            sampled[rid].append(int(codes[row, 0]))  # one frame a step, or a verify row's several
+        speculative = self.drafts is not None
         for finished in output.finished:
-            if finished.reason in (FinishReason.EOS, FinishReason.ERROR) and finished.request_id in sampled:
-                sampled[finished.request_id] = [self.stop_token_id]
+            rid = finished.request_id
+            if rid not in sampled:
+                continue
+            stop = finished.reason in (FinishReason.EOS, FinishReason.ERROR) or (
+                speculative and finished.reason is FinishReason.LENGTH
+                and finished.num_frames < self._max_frames.get(rid, finished.num_frames))
+            if stop:  # speculative: after the frames published before the end; else instead of the token
+                sampled[rid] = [*sampled[rid], self.stop_token_id] if speculative else [self.stop_token_id]
         return sampled
 
     def _state(self, rid: str) -> State | None:

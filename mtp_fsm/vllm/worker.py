@@ -12,6 +12,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from ..engine import LockstepEngine
 from .model_dir import TalkerDirConfig
 from .schedule_mapping import ScheduleMapper
+from .speculation import check_vllm_config
 
 WORKER_CLS = "mtp_fsm.vllm.worker.FsmWorker"
 
@@ -28,7 +29,8 @@ class FsmWorker(WorkerBase):
     `num_gpu_blocks_override` makes vLLM preempt earlier, and the engine follows.
 
     Frames leave through `mtp_fsm_take_frames` (pull, via `collective_rpc`): per request,
-    in order, exactly once; CB0 also travels as vLLM's sampled token.
+    in order, exactly once; CB0 also travels as vLLM's sampled token (several per request
+    under speculation, whose drafts go back through `take_draft_token_ids`).
     """
 
     def init_device(self) -> None:
@@ -41,7 +43,9 @@ class FsmWorker(WorkerBase):
         config = TalkerDirConfig.from_hf_config(self.model_config.hf_config)
         talker = config.load_talker()
         max_slots = self.scheduler_config.max_num_seqs
-        if self.model_config.max_model_len > talker.model.spec.max_context:
+        check_vllm_config(self.vllm_config, config.speculate)
+        # Under speculation vLLM's positions run k + 1 past the context (vllm/speculation.py).
+        if self.model_config.max_model_len > talker.model.spec.max_context + config.extra_positions:
             raise ValueError(f"max_model_len {self.model_config.max_model_len} exceeds the talker's KV context "
                              f"{talker.model.spec.max_context} positions per slot")
         # KV in vLLM's page size: one block of a paged talker's pool (models/paged_kv.py) is one vLLM
@@ -54,7 +58,7 @@ class FsmWorker(WorkerBase):
         self.kv_peak_blocks = self.kv_held_peak_blocks = 0
         # vLLM owns CUDA-graph capture of its steps: the engine's own decode graphs stay off.
         self.engine = LockstepEngine(talker.model, max_slots, kernels=config.kernels, device=self.device,
-                                     decode_graphs="off")
+                                     decode_graphs="off", speculate=config.speculate)
         self.mapper = ScheduleMapper(self.engine, config.stop_token_id, type(talker.text_inputs("a")))
 
     def get_model(self) -> torch.nn.Module:
@@ -129,7 +133,13 @@ class FsmWorker(WorkerBase):
                 "held_peak": self.kv_held_peak_blocks, "vllm_num_blocks": vllm_blocks}
 
     def take_draft_token_ids(self):
-        return None
+        """The drafts of the requests the last step left decoding (vLLM plans them as the next
+        step's speculative tokens); None without speculation."""
+        return None if self.mapper is None or self.mapper.drafts is None else self.mapper.drafts.take()
+
+    def mtp_fsm_speculation(self) -> bytes:
+        """The engine's SpeculationStats (pickled; None without speculation)."""
+        return pickle.dumps(self.engine.speculation)
 
     # -- the frame channel (collective_rpc) -----------------------------------------------
 
