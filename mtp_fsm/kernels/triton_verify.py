@@ -58,8 +58,8 @@ def verify_frames_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, verify_ptr, B, s
                          plen_ptr, frames_ptr, maxf_ptr, reason_ptr, error_ptr, fault_ptr, fcodes_ptr, flog_ptr,
                          fembed_ptr, counts_ptr, counts_stride, V0, rules_ptr, class_ptr, schain_ptr, pchain_ptr,
                          tokens_ptr, faults_ptr, drafts_ptr, drafts_stride, fe_ptr, fe_stride, out_ptr, out_stride, C, H,
-                         eos_id, NS: tl.constexpr, PLANE: tl.constexpr, S_STAGES: tl.constexpr, S_WIDTH: tl.constexpr,
-                         P_STAGES: tl.constexpr, P_WIDTH: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr,
+                         eos_id, NS: tl.constexpr, PLANE: tl.constexpr, SAMPLE_STAGES: tl.constexpr, SAMPLE_WIDTH: tl.constexpr,
+                         PUBLISH_STAGES: tl.constexpr, PUBLISH_WIDTH: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_H: tl.constexpr):
     """A tile of rows, each walked through its P positions: the sample-phase chain (num_computed
     advanced while live, prompt done, a bad sample, EOS), the publish-phase stages one by one
@@ -98,7 +98,7 @@ def verify_frames_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, verify_ptr, B, s
             computed = computed + tl.where(live, 1, 0)
         word = (predicate_bit(computed >= plen, B_PROMPT_DONE) | predicate_bit(bad != 0, B_CB0_FAULT)
                 | predicate_bit((token == eos_id) & (eos_id >= 0), B_EOS_SAMPLED))
-        state, why, _, stuck = run_chain(rules_ptr, schain_ptr, state, word, enter, NS, PLANE, S_STAGES, S_WIDTH)
+        state, why, _, stuck = run_chain(rules_ptr, schain_ptr, state, word, enter, NS, PLANE, SAMPLE_STAGES, SAMPLE_WIDTH)
         reason = tl.where(why != 0, why, reason)
         fault = tl.where(enter & (why != 0) & (fault == 0), bad, fault)  # row_ops.record's fault rule
         accepted = tl.zeros_like(verify)
@@ -108,11 +108,11 @@ def verify_frames_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, verify_ptr, B, s
         full = computed >= C
         why = tl.zeros_like(state)
         ready = tl.zeros_like(owned)
-        for s in tl.static_range(P_STAGES):
+        for s in tl.static_range(PUBLISH_STAGES):
             length = ((frames + ready.to(tl.int64)) >= max_frames) | full
             state, why, ready, stuck = run_stage(rules_ptr, pchain_ptr, s, state,
                                                  predicate_bit(length, B_LENGTH_REACHED) | frame_word,
-                                                 enter, why, ready, stuck, NS, PLANE, P_WIDTH)
+                                                 enter, why, ready, stuck, NS, PLANE, PUBLISH_WIDTH)
         reason = tl.where(why != 0, why, reason)
         err = tl.where(stuck, err | E_ILLEGAL, err)
         log_at = (slot * C + tl.minimum(frames, C - 1)).to(tl.int64)
@@ -211,7 +211,7 @@ def verify_frames(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, verif
         table.cb0_counts, table.cb0_counts.stride(0), table.cb0_counts.shape[1], lc.rules, lc.state_class,
         sample_chain, publish_chain, tokens, faults, drafts, drafts.stride(0), frame_embeds, frame_embeds.stride(0),
         packed, packed.stride(0), table.max_context, h, -1 if eos_token_id is None else int(eos_token_id),
-        **_rules(lc), S_STAGES=sample_shape["STAGES"], S_WIDTH=sample_shape["WIDTH"],
-        P_STAGES=publish_shape["STAGES"], P_WIDTH=publish_shape["WIDTH"], P=positions, BLOCK_R=tile, BLOCK_H=block,
+        **_rules(lc), SAMPLE_STAGES=sample_shape["STAGES"], SAMPLE_WIDTH=sample_shape["WIDTH"],
+        PUBLISH_STAGES=publish_shape["STAGES"], PUBLISH_WIDTH=publish_shape["WIDTH"], P=positions, BLOCK_R=tile, BLOCK_H=block,
     )
     return packed
