@@ -58,10 +58,10 @@ class StepInputs:
         if words <= have:
             return
         size = max(words, 2 * have)
-        pin = self.device.type == "cuda"
-        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
-        self._device_buf = self._host if self.device.type == "cpu" else torch.zeros(size, dtype=torch.int64,
-                                                                                     device=self.device)
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # A twin even on the CPU: the batch never aliases what the next load writes, and the
+        # CPU runs the copy a GPU makes (the bench's counters see one upload per new batch).
+        self._device_buf = torch.zeros(size, dtype=torch.int64, device=self.device)
 
     def holds(self, rows: tuple, generation: int) -> LoadedRows | None:
         """The loaded rows when `rows` are the steady batch they were loaded from, else None."""
@@ -104,8 +104,8 @@ class StepInputs:
         put("token_rows", token_rows)
         put("token_offsets", np.arange(t, dtype=np.int64) - qsl[token_rows])
         dev = self._device_buf
-        if dev is not self._host:
-            dev[:words].copy_(self._host[:words], non_blocking=True)
+        dev[:words].copy_(self._host[:words], non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
         tensors = {name: dev[start:start + n] for name, (start, n) in views.items()}
