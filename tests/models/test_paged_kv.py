@@ -126,8 +126,9 @@ def test_static_plan_reads_what_the_host_plan_reads():
 
 def test_sixty_four_requests_at_a_quarter_of_the_context_hold_at_most_40_percent():
     """Issue 27: 64 requests whose lengths average max_context / 4 hold <= 40% of the KV the
-    slot layout reserves ((max_slots + 1) x max_context per layer), measured as allocated bytes."""
-    model = Qwen3TTSTalker(tiny_config(), seed=0)
+    slot layout reserves ((max_slots + 1) x max_context per layer), measured as allocated bytes.
+    BLAS numerics (batch_invariant=False): this counts bytes, and the exact path costs minutes."""
+    model = Qwen3TTSTalker(tiny_config(batch_invariant=False), seed=0)
     model.bind_slots(64, torch.device("cpu"))
     context = model.config.max_context
     gen = torch.Generator().manual_seed(0)
