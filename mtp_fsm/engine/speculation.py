@@ -1,5 +1,4 @@
-"""A speculative step on the device: one forward over each decode row's last token and its
-drafts, the sample and publish stages once per verify position, then the drafter."""
+"""A speculative step on the device: one forward over each decode row's last token and its drafts, the verify positions as rows, then the drafter from the last accepted token."""
 
 from __future__ import annotations
 
