@@ -181,7 +181,7 @@ def update_readme(path: str, results: dict) -> bool:
     returns whether the file changed (MarkedBlockError when the markers are missing)."""
     m = results["machine"]
     stamp = f"{m.get('date', '')} · {m.get('cpu', '')} · {m.get('cores', '')} cores · torch {m.get('torch', '')}"
-    body = f"_From `make bench`, {stamp}._\n\n{markdown_table(results)}"
+    body = f"_From `make bench`, {stamp}{carried_words(results)}._\n\n{markdown_table(results)}"
     if results.get("models"):
         body += "\n\n" + models_table(results["models"])
     if results.get("speculative"):
@@ -191,6 +191,12 @@ def update_readme(path: str, results: dict) -> bool:
     if results.get("audio"):
         body += "\n\n" + audio_section(results["audio"])
     return replace_marked_block(path, README_BEGIN, README_END, body)
+
+
+def carried_words(results: dict) -> str:
+    """'; kept from earlier runs: ...' for the sections this run skipped (bench/run.py carry_over)."""
+    carried = results.get("carried_over") or {}
+    return "; kept from earlier runs: " + ", ".join(f"{k} ({v})" for k, v in sorted(carried.items())) if carried else ""
 
 
 def audio_section(rows: list[dict]) -> str:
@@ -292,7 +298,8 @@ def markdown_report(results: dict) -> str:
         f"{m['date']} · {m['cpu']} · {m['cores']} cores · torch threads {m['torch_threads']} · "
         f"Python {m['python']} · torch {m['torch']} · transitions {m['transitions']} · "
         f"bench wall {results.get('wall_s', 0):.0f} s · load average at start / end "
-        f"{m.get('loadavg_start')} / {m.get('loadavg_end')} (other work shared the machine)",
+        f"{m.get('loadavg_start')} / {m.get('loadavg_end')} (other work shared the machine)"
+        + carried_words(results),
         "",
         "## Decode step time and lifecycle overhead",
         "",

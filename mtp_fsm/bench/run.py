@@ -249,6 +249,29 @@ def evaluate_targets(results: dict, engine: str = "engine") -> list[dict]:
             t["measured"] = None
     return out
 
+# --skip name -> the results.json section it leaves out.
+SECTIONS = {"breakdown": "naive_breakdown", "counts": "counts", "profile": "profile", "models": "models",
+            "speculative": "speculative", "e2e": "e2e", "audio": "audio", "serving": "serving",
+            "real_size": "real_size"}
+
+
+def carry_over(results: dict, skip: set[str], previous_path: str, log) -> None:
+    """A section this run skipped keeps its previous measurement (results.json before this run),
+    named with that run's date in results["carried_over"]: a long bench can rerun one part
+    without dropping the others, and the report says which numbers are older."""
+    try:
+        with open(previous_path) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        return
+    when = previous.get("machine", {}).get("date", "an earlier run")
+    carried = dict(previous.get("carried_over", {}))
+    for name, section in SECTIONS.items():
+        if name in skip and section not in results and section in previous:
+            results[section] = previous[section]
+            results.setdefault("carried_over", {})[section] = carried.get(section, when)
+            log(f"{section}: not measured in this run, kept from {results['carried_over'][section]}")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_fsm.bench", description=__doc__,
@@ -349,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
             log("real-size Qwen3-TTS talker (config_0_6b, random weights; issue 27):")
             results["real_size"] = bench_real_size(log=log)
+        carry_over(results, skip, os.path.join(args.out_dir, "results.json"), log)
         results["wall_s"] = time.perf_counter() - started
         results["machine"]["loadavg_end"] = _loadavg()
         os.makedirs(args.out_dir, exist_ok=True)

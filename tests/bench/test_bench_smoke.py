@@ -246,3 +246,23 @@ def test_decode_path_counts_the_library_files_one_decode_step_calls_into():
     assert not any(name.startswith("mtp_fsm/bench/") for name in files)
     assert "mtp_fsm/engine/admission.py" not in files  # a steady decode step admits nothing
     assert path["num_files"] == len(files) and path["lines"] == sum(f["lines"] for f in files.values())
+
+
+def test_a_skipped_section_keeps_its_previous_measurement_with_its_date(tmp_path):
+    import json
+
+    from mtp_fsm.bench.report import carried_words
+    from mtp_fsm.bench.run import carry_over
+
+    previous = tmp_path / "results.json"
+    previous.write_text(json.dumps({"machine": {"date": "2026-01-01"}, "audio": [1], "e2e": {"x": 2},
+                                    "carried_over": {"e2e": "2025-12-31"}}))
+    results, lines = {"machine": {"date": "today"}}, []
+    carry_over(results, {"audio", "e2e", "serving"}, str(previous), lines.append)
+    assert results["audio"] == [1] and results["e2e"] == {"x": 2} and "serving" not in results
+    # A section already carried keeps its first date, not the run that carried it.
+    assert results["carried_over"] == {"audio": "2026-01-01", "e2e": "2025-12-31"}
+    assert carried_words(results) == "; kept from earlier runs: audio (2026-01-01), e2e (2025-12-31)"
+    fresh = {"machine": {}}
+    carry_over(fresh, set(), str(previous), lines.append)  # nothing skipped: nothing carried
+    assert "carried_over" not in fresh and carried_words(fresh) == ""
