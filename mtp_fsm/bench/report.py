@@ -349,7 +349,7 @@ def markdown_report(results: dict) -> str:
     if results.get("speculative"):
         from .speculative import speculative_table
 
-        out += ["", "## Speculative decoding (tiny MTP LM)", "", speculative_table(results["speculative"])]
+        out += ["", "## Speculative decoding (MTP LM: tiny and wide)", "", speculative_table(results["speculative"])]
     if results.get("audio"):
         out += ["", "## Speech out", "", audio_section(results["audio"])]
     e2e = results.get("e2e")

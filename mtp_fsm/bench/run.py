@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         if "speculative" not in skip:
             from .speculative import bench_speculative
 
-            log("speculative decoding, tiny MTP LM, k = 0..4:")
+            log("speculative decoding, MTP LM (tiny and wide), per (model, workload, batch, k):")
             results["speculative"] = bench_speculative(log=log)
         if "e2e" not in skip:
             from .e2e import bench_e2e
