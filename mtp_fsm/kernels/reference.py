@@ -19,9 +19,9 @@ import torch
 from ..lifecycle import CLASS_LIVE, CLASS_VACANT, DeviceLifecycle, Phase, Predicate
 from ..lifecycle.compiled import RULE_DEST
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
-from ..sampling.penalties import PENALTY_BEFORE_TEMPERATURE, apply_repetition_penalty, suppress_eos
 from ..sampling.params import sampler_facts
 from ..slots import ERR_IDENTITY, ERR_ILLEGAL, ERR_SPAN, SlotTable
+from .cb0_draw import draw_cb0_rows
 from .contract import ReplayFrames, StagedAdmits, StagedEvents, StepBatch, TextStep
 from .row_ops import PhaseResult, at, const, flag, in_class, owned_rows, put, record, run_phase  # noqa: F401
 # Speculative decoding's verify positions as rows (their own module: the stage functions' names).
@@ -148,29 +148,12 @@ def sample_cb0(
 
 def draw_cb0(table: SlotTable, batch: StepBatch, logits: torch.Tensor, *, eos_token_id: int | None,
              allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's CB0 token and fault word, with its history rules (penalty, min_frames); the
-    penalty goes where the model's order puts it (table.cb0_penalty_order, `penalties`)."""
+    """Each row's CB0 token and fault word: frame num_frames of its request, its penalty
+    history the slot's CB0 counts (`cb0_draw.draw_cb0_rows`)."""
     slot = batch.idx_mapping
-    suppress = batch.cb0_min_frames and eos_token_id is not None
-    early = batch.cb0_penalty and table.cb0_penalty_order == PENALTY_BEFORE_TEMPERATURE
-    frame_index = at(table.num_frames, slot)
-
-    def penalise(x: torch.Tensor) -> torch.Tensor:
-        return apply_repetition_penalty(x, at(table.cb0_counts, slot), at(table.cb0_penalty, slot))
-
-    def rules(x: torch.Tensor) -> torch.Tensor:
-        if early:
-            x = penalise(x)
-        if suppress:
-            x = suppress_eos(x, eos_token_id, frame_index, at(table.min_frames, slot))
-        return x
-
-    return sample_tokens(
-        logits, at(table.cb0_temperature, slot), at(table.cb0_top_k, slot), at(table.cb0_top_p, slot),
-        at(table.seed, slot), frame_index, 0, allowed=allowed, apply_filters=batch.cb0_filters,
-        top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p, top_k_min=batch.cb0_top_k_min,
-        rules=rules if early or suppress else None, late=penalise if batch.cb0_penalty and not early else None,
-    )
+    counts = at(table.cb0_counts, slot) if batch.cb0_penalty else None
+    return draw_cb0_rows(table, batch, logits, slot, at(table.num_frames, slot), counts,
+                         eos_token_id=eos_token_id, allowed=allowed)
 
 
 def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: torch.Tensor, fault: torch.Tensor,

@@ -191,3 +191,23 @@ def sample_rows(logit_ptr, logits_stride, rows, rmask, V, temperature, top_k, to
     final = tl.where(inb, final, float("-inf"))
     token = tl.argmax(final, 1, tie_break_left=True)
     return token.to(tl.int64), fault
+
+
+@triton.jit
+def sample_cb0_rows(logits_ptr, logits_stride, rows, rm, V, slot, frames, seed_ptr, temp_ptr, topk_ptr, topp_ptr,
+                    pen_ptr, minf_ptr, allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride,
+                    counts_row, eos_id, HAS_ALLOWED: tl.constexpr, APPLY_FILTERS: tl.constexpr,
+                    HAS_PENALTY: tl.constexpr, HAS_SUPPRESS: tl.constexpr, BLOCK_V: tl.constexpr,
+                    PENALTY_AFTER: tl.constexpr):
+    """CB0 of frame `frames` for the request in `slot` (logits row `rows`): its sampling
+    columns, counter key and min_frames EOS suppression, the penalty's history in counts row
+    `counts_row` (`cb0_draw.draw_cb0_rows`, for plain rows and verify positions alike)."""
+    seed = tl.load(seed_ptr + slot, mask=rm, other=0)
+    key = row_key(seed, frames, seed * 0)
+    suppress = frames < tl.load(minf_ptr + slot, mask=rm, other=0)
+    return sample_rows(
+        logits_ptr, logits_stride, rows, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
+        tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
+        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, counts_row,
+        tl.load(pen_ptr + slot, mask=rm, other=1.0), suppress, eos_id,
+        HAS_ALLOWED, APPLY_FILTERS, HAS_PENALTY, HAS_SUPPRESS, BLOCK_V, PENALTY_AFTER)

@@ -24,7 +24,7 @@ from .triton_common import (
     add_in, cast_to, fire_host, in_class, predicate_bit, run_chain, run_stage,
 )
 from ..sampling.faults import FAULT_CODEBOOK_SHIFT
-from .triton_sampling import row_key, sample_rows
+from .triton_sampling import row_key, sample_cb0_rows, sample_rows
 
 F_CODEBOOK_SHIFT = tl.constexpr(FAULT_CODEBOOK_SHIFT)
 
@@ -200,16 +200,10 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
     live = owned & in_class(class_ptr, state, C_LIVE, rm)
     n = tl.load(nsched_ptr + row, mask=rm, other=0)
     computed = tl.load(computed_ptr + slot, mask=rm, other=0) + tl.where(live, n, 0)
-    seed = tl.load(seed_ptr + slot, mask=rm, other=0)
-    frames = tl.load(frames_ptr + slot, mask=rm, other=0)
-    key = row_key(seed, frames, seed * 0)
-    suppress = frames < tl.load(minf_ptr + slot, mask=rm, other=0)
-    token, fault = sample_rows(
-        logits_ptr, logits_stride, row, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
-        tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
-        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, slot,
-        tl.load(pen_ptr + slot, mask=rm, other=1.0), suppress, eos_id,
-        HAS_ALLOWED, APPLY_FILTERS, HAS_PENALTY, HAS_SUPPRESS, BLOCK_V, PENALTY_AFTER)
+    token, fault = sample_cb0_rows(
+        logits_ptr, logits_stride, row, rm, V, slot, tl.load(frames_ptr + slot, mask=rm, other=0), seed_ptr, temp_ptr,
+        topk_ptr, topp_ptr, pen_ptr, minf_ptr, allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr,
+        counts_stride, slot, eos_id, HAS_ALLOWED, APPLY_FILTERS, HAS_PENALTY, HAS_SUPPRESS, BLOCK_V, PENALTY_AFTER)
     bad = fault != 0
     tl.store(tokens_ptr + row, token, mask=rm)
     done = computed >= tl.load(plen_ptr + slot, mask=rm, other=0)

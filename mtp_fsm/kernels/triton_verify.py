@@ -23,7 +23,7 @@ from .triton_common import (
     O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID, cast_to, in_class, predicate_bit,
     run_chain, run_stage,
 )
-from .triton_sampling import row_key, sample_rows
+from .triton_sampling import sample_cb0_rows
 from .verify import position_counts
 
 
@@ -39,15 +39,10 @@ def sample_positions_kernel(idx_ptr, N, P, frames_ptr, seed_ptr, temp_ptr, topk_
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < N
     slot = tl.load(idx_ptr + r // P, mask=rm, other=0)
-    seed = tl.load(seed_ptr + slot, mask=rm, other=0)
     frames = tl.load(frames_ptr + slot, mask=rm, other=0) + (r % P)
-    key = row_key(seed, frames, seed * 0)
-    suppress = frames < tl.load(minf_ptr + slot, mask=rm, other=0)
-    token, fault = sample_rows(
-        logits_ptr, logits_stride, r, rm, V, tl.load(temp_ptr + slot, mask=rm, other=0.0),
-        tl.load(topk_ptr + slot, mask=rm, other=0), tl.load(topp_ptr + slot, mask=rm, other=1.0), key,
-        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, r,
-        tl.load(pen_ptr + slot, mask=rm, other=1.0), suppress, eos_id,
+    token, fault = sample_cb0_rows(
+        logits_ptr, logits_stride, r, rm, V, slot, frames, seed_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, minf_ptr,
+        allowed_ptr, gumbel_ptr, fx_hi_ptr, fx_lo_ptr, counts_ptr, counts_stride, r, eos_id,
         HAS_ALLOWED, APPLY_FILTERS, HAS_PENALTY, HAS_SUPPRESS, BLOCK_V, PENALTY_AFTER)
     tl.store(tokens_ptr + r, token, mask=rm)
     tl.store(faults_ptr + r, fault, mask=rm)

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..lifecycle import CLASS_LIVE, DeviceLifecycle, Phase, Predicate
-from ..sampling import sample_tokens
-from ..sampling.penalties import PENALTY_BEFORE_TEMPERATURE, apply_repetition_penalty, suppress_eos
 from ..slots import ERR_ILLEGAL, SlotTable
+from .cb0_draw import draw_cb0_rows
 from .contract import OUT_CODES, StepBatch
 from .row_ops import at, const, in_class, owned_rows, put
 
@@ -63,26 +62,9 @@ def sample_positions(table: SlotTable, batch: StepBatch, verify: torch.Tensor, l
     slots = slot[:, None].expand(rows, positions).reshape(-1)
     j = torch.arange(positions, device=slot.device)
     frame_index = (at(table.num_frames, slot)[:, None] + j[None, :]).reshape(-1)
-    suppress = batch.cb0_min_frames and eos_token_id is not None
-    early = batch.cb0_penalty and table.cb0_penalty_order == PENALTY_BEFORE_TEMPERATURE
     counts = position_counts(table, slot, drafts) if batch.cb0_penalty else None
-
-    def penalise(x: torch.Tensor) -> torch.Tensor:
-        return apply_repetition_penalty(x, counts, at(table.cb0_penalty, slots))
-
-    def rules(x: torch.Tensor) -> torch.Tensor:
-        if early:
-            x = penalise(x)
-        if suppress:
-            x = suppress_eos(x, eos_token_id, frame_index, at(table.min_frames, slots))
-        return x
-
-    tokens, fault = sample_tokens(
-        logits, at(table.cb0_temperature, slots), at(table.cb0_top_k, slots), at(table.cb0_top_p, slots),
-        at(table.seed, slots), frame_index, 0, allowed=allowed, apply_filters=batch.cb0_filters,
-        top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p, top_k_min=batch.cb0_top_k_min,
-        rules=rules if early or suppress else None, late=penalise if batch.cb0_penalty and not early else None,
-    )
+    tokens, fault = draw_cb0_rows(table, batch, logits, slots, frame_index, counts, eos_token_id=eos_token_id,
+                                  allowed=allowed)
     return tokens.view(rows, positions), fault.view(rows, positions)
 
 
