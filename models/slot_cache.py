@@ -25,11 +25,15 @@ class SlotKVCache:
         layers, _, kv_heads, head_dim = self._kv_layout()
         return KVCacheLayout(layers, kv_heads, head_dim, self.dtype)
 
-    def bind_slots(self, max_slots: int, device: torch.device,
-                   columns: dict[str, torch.Tensor] | None = None) -> None:
+    def _slot_device(self, device: torch.device) -> torch.device:
         device = torch.device(device)
         if device != self.device:
             raise ValueError(f"model lives on {self.device}, slots requested on {device}")
+        return device
+
+    def bind_slots(self, max_slots: int, device: torch.device,
+                   columns: dict[str, torch.Tensor] | None = None) -> None:
+        device = self._slot_device(device)
         layers, max_context, kv_heads, head_dim = self._kv_layout()
         shape = (max_slots + 1, max_context, kv_heads, head_dim)
         self._cache = [
@@ -102,9 +106,7 @@ class PagedKVCache(SlotKVCache):
 
     def bind_slots(self, max_slots: int, device: torch.device,
                    columns: dict[str, torch.Tensor] | None = None) -> None:
-        device = torch.device(device)
-        if device != self.device:
-            raise ValueError(f"model lives on {self.device}, slots requested on {device}")
+        device = self._slot_device(device)
         layers, max_context, kv_heads, head_dim = self._kv_layout()
         options = self._kv_options or {}
         pool = BlockPool(layers, kv_heads, head_dim, self.dtype, device, max_slots, max_context,
