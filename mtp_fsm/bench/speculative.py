@@ -26,10 +26,13 @@ TEXTS = ("Hello, this is the lockstep engine.", "Speculative decoding drafts wit
          "A longer sentence gives the drafter room to run ahead.")
 WORKLOADS = {"greedy": SamplingParams(top_k=1), "sampled": SamplingParams(temperature=0.9, top_k=50)}
 # Loaded by factory path: the engine package never imports `models`. The wide model (>= 100M
-# parameters, bfloat16) is slow on a CPU: fewer frames and ks.
+# parameters, bfloat16) is slow on a CPU: fewer frames and ks. exact: its rows are batch-invariant
+# by construction, so a k publishing other frames than k = 0 is a bug (the bench stops); the wide
+# model's plain kernels are row-invariant only where this CPU's are, so there it is recorded
+# (`frames_identical`) and the run goes on (DESIGN 2.5.1).
 MODELS = {
-    "tiny": dict(factory="mtp_lm", ks=(0, 1, 2, 3, 4), batches=(1, 8), max_frames=48),
-    "wide": dict(factory="models.mtp_lm:wide_demo_talker", ks=(0, 1, 3), batches=(1, 8), max_frames=32),
+    "tiny": dict(factory="mtp_lm", ks=(0, 1, 2, 3, 4), batches=(1, 8), max_frames=48, exact=True),
+    "wide": dict(factory="models.mtp_lm:wide_demo_talker", ks=(0, 1, 3), batches=(1, 8), max_frames=32, exact=False),
 }
 TARGETS = (
     ("tiny mtp_lm, greedy, B=1: k=3 >= 1.3x k=0", "tiny", "greedy", 1, (3,), "speed_vs_k0", ">=", 1.3),
@@ -71,7 +74,9 @@ class _Run:
         self.steps.append((elapsed, len(out.frames), rows))
 
 
-def _measure(model, inputs_of, ks, batch: int, sampling: SamplingParams, max_frames: int) -> dict[int, dict]:
+def _measure(model, inputs_of, ks, batch: int, sampling: SamplingParams, max_frames: int,
+             exact: bool = True, differing: list | None = None) -> dict[int, dict]:
+    """differing: where a k's frames are not k = 0's (exact=False; exact=True raises)."""
     runs = [_Run(copy.copy(model), k, batch, sampling, inputs_of, max_frames) for k in ks]
     turn = 0
     while not all(r.done for r in runs):
@@ -83,7 +88,10 @@ def _measure(model, inputs_of, ks, batch: int, sampling: SamplingParams, max_fra
     out = {}
     for r in runs:
         if r.frames != base.frames:  # the identity property, tested frame by frame in tests/
-            raise AssertionError(f"k={r.k} published other frames than k={base.k}")
+            if exact:
+                raise AssertionError(f"k={r.k} published other frames than k={base.k}")
+            if differing is not None:
+                differing.append(r.k)
         decode = r.steps[1:]  # the first step prefilled every prompt
         frames, seconds = sum(f for _, f, _ in decode), sum(t for t, _, _ in decode)
         full = [t for t, _, rows in decode if rows == batch] or [t for t, _, _ in decode]
@@ -117,9 +125,15 @@ def bench_speculative(models: dict | None = None, rounds: int = 2, log=print) ->
                                    "dtype": str(loaded.model.spec.dtype).replace("torch.", "")}
         for workload, sampling in WORKLOADS.items():
             for batch in cfg["batches"]:
+                differing: list[int] = []
                 with torch.inference_mode():
-                    per_round = [_measure(loaded.model, loaded.text_inputs, cfg["ks"], batch, sampling, cfg["max_frames"])
-                                 for _ in range(rounds)]
+                    per_round = [_measure(loaded.model, loaded.text_inputs, cfg["ks"], batch, sampling, cfg["max_frames"],
+                                          cfg.get("exact", True), differing) for _ in range(rounds)]
+                section.setdefault("frames_identical", {}).setdefault(name, {}).setdefault(workload, {})[str(batch)] = (
+                    not differing)
+                if differing:
+                    log(f"  {name} {workload} B={batch}: k={sorted(set(differing))} published other frames than k=0 "
+                        "(this CPU's kernels are not row-invariant at this model's shapes)")
                 for k in cfg["ks"]:
                     rows = [r[k] for r in per_round]
                     row = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
