@@ -169,7 +169,9 @@ def speculative_table(section: dict) -> str:
     lines = [
         f"Speculative decoding on the MTP LMs (`bench/speculative.py`): {models}; per (model, workload, batch) one "
         f"engine per k on the same requests, steps interleaved, median of {section['rounds']} rounds, frames checked "
-        "identical to k=0. Speed: decode frames/s vs k=0 (the step thread's CPU time after the prefill step); step: "
+        "identical to k=0 (a difference stops the bench for the tiny model, exact by construction, and is recorded "
+        "in `frames_identical` for the wide one). Speed: decode frames/s vs k=0 (the step thread's CPU time after the "
+        "prefill step); step: "
         "median decode step with every row decoding (k > 0: the verify step) vs k=0's.",
         "",
         "| model | workload | batch | k | acceptance | frames / verify row | speed vs k=0 | decode step ms | step vs k=0 |",
