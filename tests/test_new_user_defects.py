@@ -120,7 +120,7 @@ def test_admission_staging_keeps_device_tensors_on_the_device():
     are staged there, never copied to the host and back. The meta device stands in for CUDA: any
     copy out of a meta tensor raises, so a device -> host copy in staging fails this test."""
     from mtp_fsm.engine.records import RequestRecord, RequestTable
-    from mtp_fsm.engine.step_inputs import stage_admits
+    from mtp_fsm.engine.host_events import stage_admits
     from mtp_fsm.lifecycle import Trigger
     from mtp_fsm.slots import SlotTable
 

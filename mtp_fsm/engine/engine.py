@@ -353,7 +353,7 @@ class LockstepEngine:
 
     def _fail_step(self, host: HostStep, exc: BaseException) -> StepOutput:
         detail = f"model raised during step {self.step_count}: {exc!r}"
-        slots, before, ended = self.ledger.fail_rows(host, detail)
+        slots, before, ended = self.ledger.events.fail_rows(host, detail)
         if slots:
             index = torch.tensor(slots, dtype=torch.int64, device=self.device)
             # Roll the rows back to their state at the step boundary (the host mirror),

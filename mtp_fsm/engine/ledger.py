@@ -1,10 +1,10 @@
-"""The host ledger: validates a StepPlan all-or-nothing (plan_checks), fires host triggers
-through the lifecycle's `transitions` machine on the request table, allocates slots, stages
-the device inputs of the step and writes the step's device output into the table."""
+"""The host ledger: owns the request table, the records viewing it and the queue; stages a
+StepPlan all-or-nothing (its host events through `host_events`, its rows checked by
+`row_checks`, loaded by `step_inputs`) and writes the step's device output into the table."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import attrs
 import numpy as np
@@ -16,14 +16,15 @@ from ..kernels.contract import (
     StepBatch,
 )
 from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, CompiledLifecycle, FinishReason, Oracle, State, Trigger
-from ..lifecycle.compiled import RULE_DEST
+from ..lifecycle.device_tables import RULE_DEST
 from ..model_api import TalkerModel
 from ..slots import SlotAllocator, SlotTable
 from .plan import FinishedRequest, NewRequest, StepPlan
 from .admission import Admission
+from .host_events import NO_EVENTS, HostEvents
 from .records import RequestRecord, RequestTable
-from .plan_checks import PlanChecks
-from .step_inputs import StepInputs, stage_admits, stage_events
+from .row_checks import RowChecks
+from .step_inputs import StepInputs
 
 
 @attrs.define
@@ -46,7 +47,7 @@ class HostStep:
     row_ids_np: np.ndarray | None = None  # row_ids as an object array (the output's request ids)
 
 
-class Ledger(PlanChecks):
+class Ledger(RowChecks):
     """Host truth about requests: the request table (per-slot columns, refreshed from each
     step's single output copy) and the records viewing it, slot ownership, the queue."""
 
@@ -63,13 +64,12 @@ class Ledger(PlanChecks):
         self._dest = compiled.rules[RULE_DEST].numpy()  # [trigger, state] -> state
         # Where an admitted row starts: admission from the (one) vacant state.
         (vacant,) = compiled.states_in(CLASS_VACANT)
-        self._vacant = int(vacant)
+        self.vacant_state = int(vacant)
         self._admitted_state = State(self._dest[Trigger.ADMIT, vacant])
         self.spec = model.spec
         self.allocator = SlotAllocator(table.max_slots)
         self.records: dict[str, RequestRecord] = {}
-        self._next_serial = 1
-        self._resuming: set[str] = set()
+        self.next_serial = 1  # serials are never reused: a stale row cannot pass the identity guard
         self.admission = Admission(model, deferred=oracle.spec.deferred)
         # The rows each step hands the device, in persistent buffers (one upload per step).
         self.inputs = StepInputs(table.max_slots, self.spec, table.device, decode_width)
@@ -80,6 +80,7 @@ class Ledger(PlanChecks):
         # the step inputs are the steady batch (checked on arrays) only within one generation.
         self.generation = 0
         self._rows_steady = False  # set by validation: the plan's rows may be reused as loaded
+        self.events = HostEvents(self)
 
     def record(self, request_id: str, what: str) -> RequestRecord:
         """The record of a known request; UnknownRequestError saying what was attempted."""
@@ -91,15 +92,6 @@ class Ledger(PlanChecks):
     def all_records(self):
         """(request id, record) for every request the engine holds, queued ones last."""
         return [*self.records.items(), *self.queued.items()]
-
-    def _vacate(self, record: RequestRecord) -> None:
-        """The record leaves its slot: its counters park in it (a preempted one keeps state
-        `preempted`), and the row is vacant, as the device leaves it after the chain's release."""
-        self.allocator.release(record.slot)
-        record.detach(self._vacant)
-        record.serial = 0
-
-    # -- validation (no mutation) -------------------------------------------------------
 
     # -- requests queued by the engine's built-in policy ----------------------------------
 
@@ -127,74 +119,26 @@ class Ledger(PlanChecks):
     def resume_prompt_len(self, record: RequestRecord) -> int:
         return record.base_prompt_len + record.num_frames
 
-    # -- commit ------------------------------------------------------------------------
-
     def stage(self, plan: StepPlan) -> HostStep:
         """Validate the whole plan (raising leaves everything as it was), then commit it."""
-        self._resuming = set(plan.resumes)
-        try:
-            prepared = self._validate(plan)
-        finally:
-            self._resuming = set()
-        ev_slots, ev_triggers, ev_reasons, ended = [], [], [], []
-        if plan.releases or plan.aborts or plan.preempts or plan.resumes or plan.new_requests:
-            self.generation += 1
-
-        def event(slot: int, triggers: Iterable[Trigger], reason: FinishReason = FinishReason.NONE) -> None:
-            trig = [int(t) for t in triggers]
-            ev_slots.append(slot)
-            ev_triggers.append(trig + [-1] * (2 - len(trig)))
-            ev_reasons.append(int(reason))
-
-        # Host triggers fire through the `transitions` machine on the records, whose state is
-        # the table row's: the device applies the same chains to its rows (StagedEvents).
-        for rid in plan.releases:
-            record = self.records.pop(rid)
-            event(record.slot, [Trigger.RELEASE])
-            self.oracle.fire(record, Trigger.RELEASE)
-            self._vacate(record)
-        for rid in plan.aborts:
-            record = self.records.pop(rid)
-            if record.slot is not None:
-                event(record.slot, [Trigger.ABORT, Trigger.RELEASE], FinishReason.ABORT)
-                self.oracle.fire_all(record, (Trigger.ABORT, Trigger.RELEASE))
-                self._vacate(record)
-            else:
-                self.oracle.fire(record, Trigger.ABORT)
-            ended.append(FinishedRequest(rid, FinishReason.ABORT, record.num_frames))
-        for rid in plan.preempts:
-            record = self.records[rid]
-            event(record.slot, [Trigger.PREEMPT, Trigger.RELEASE])
-            self.oracle.fire(record, Trigger.PREEMPT)
-            # Device-side clone (no sync): the frames resume will replay into the prompt.
-            record.replay_codes = self.table.frame_log[record.slot, : record.num_frames].clone()
-            self._vacate(record)
-        admitted: list[RequestRecord] = []
-        for rid in plan.resumes:
-            record = self.records[rid]
-            self.oracle.fire(record, Trigger.RESUME)
-            record.prompt_len, record.num_computed = self.resume_prompt_len(record), 0
-            admitted.append(record)
-        for req in plan.new_requests:
-            self.admission.forget(req)
-            record = self.queued.pop(req.request_id, None) or RequestRecord(req, self.rows, prepared[req.request_id])
-            self.oracle.fire(record, Trigger.ADMIT)
-            self.records[req.request_id] = record
-            admitted.append(record)
-        for record in admitted:
-            record.attach(self.allocator.allocate())
-            record.serial, self._next_serial = self._next_serial, self._next_serial + 1
-        events = stage_events(ev_slots, ev_triggers, ev_reasons, self.table.device) if ev_slots else None
-        admits, replay = stage_admits(self.table, self.spec, admitted, int(Trigger.ADMIT)) if admitted else (None, None)
+        if plan.has_events:
+            resuming = set(plan.resumes)
+            prepared = self.events.validate(plan)
+            self._validate_rows(plan.rows, set(plan.aborts) | set(plan.preempts) | set(plan.releases), resuming,
+                                prepared)
+            committed = self.events.commit(plan, prepared)
+        else:  # the steady decode step: its rows alone
+            self._validate_rows(plan.rows, set(), set(), {})
+            committed = NO_EVENTS
         # The steady decode batch is held as loaded: no per-row Python, no upload.
         rows = self.inputs.holds(plan.rows, self.generation) or self.inputs.load(
             plan.rows, [None if s is None else self.records[s.request_id] for s in plan.rows], self.generation,
             self._rows_steady)
         slots_np = rows.slots_np
-        verify_np = self._verify_rows(slots_np)
         return HostStep(
-            events, admits, replay, rows.batch, rows.records, rows.row_ids, slots_np, rows.tokens_np == 0, ended,
-            admitted, tuple(plan.preempts), rows.query_start_loc, verify_np, rows.row_ids_np,
+            committed.events, committed.admits, committed.replay, rows.batch, rows.records, rows.row_ids, slots_np,
+            rows.tokens_np == 0, list(committed.ended), list(committed.admitted), tuple(plan.preempts),
+            rows.query_start_loc, self._verify_rows(slots_np), rows.row_ids_np,
         )
 
     def _verify_rows(self, slots: np.ndarray) -> np.ndarray | None:
@@ -238,32 +182,6 @@ class Ledger(PlanChecks):
             detail = next(details, "") if record.finish_reason is FinishReason.ERROR else ""
             ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames, detail))
         return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
-
-
-    def fail_rows(self, host: HostStep, detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
-        """A step whose model raised: its scheduled and newly admitted live requests end
-        with reason error and free their slots at once, like a client abort (the host ended
-        them; a request the device ends keeps its slot until released).
-
-        Returns their slots, their states before the step (the device rolls back to them,
-        then aborts and releases through the table) and their finish records. Requests that
-        were already terminal (overrun rows) are left as they were.
-        """
-        slots, before, ended = [], [], []
-        self.generation += 1
-        affected = {id(r): r for r in [*host.row_records, *host.admitted] if r is not None}
-        for record in affected.values():
-            if record.slot is None:
-                continue
-            if record.state in self.terminal_states:
-                continue
-            before.append(int(record.state))
-            slots.append(record.slot)
-            self.oracle.fire_all(record, (Trigger.ABORT, Trigger.RELEASE))
-            self._vacate(record)
-            del self.records[record.request_id]
-            ended.append(FinishedRequest(record.request_id, FinishReason.ERROR, record.num_frames, detail))
-        return slots, before, ended
 
 
 def _class_lookup(states) -> np.ndarray:

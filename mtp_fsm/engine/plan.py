@@ -79,6 +79,11 @@ class StepPlan:
     resumes: tuple[str, ...] = _ids()
     releases: tuple[str, ...] = _ids()
 
+    @property
+    def has_events(self) -> bool:
+        """Any host event (release, abort, preempt, resume, admission) at this boundary."""
+        return bool(self.releases or self.aborts or self.preempts or self.resumes or self.new_requests)
+
     @staticmethod
     def of(rows: dict[str, int] | None = None, **kwargs) -> "StepPlan":
         """Convenience: StepPlan.of({"a": 8, "b": 1}, new_requests=(...,))."""

@@ -1,98 +1,37 @@
-"""Plan validation, all-or-nothing, for the host ledger: every host trigger through the
-lifecycle's machine, every row against the request table (vectorised; the steady decode
-batch, the rows the step inputs hold as loaded, on arrays alone), and a message naming the
-request, its state and what is wrong when anything fails."""
+"""A plan's rows checked against the request table before anything changes (vectorised; the
+steady decode batch, the rows the step inputs hold as loaded, on arrays alone), with a
+message naming the request, its state and what is wrong when a row fails."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import DuplicateRequestError, LifecycleError, PlanError, SlotTableFullError
+from ..errors import PlanError
 from ..lifecycle import State, Trigger
-from .plan import Span, StepPlan
-from .records import RequestRecord
+from .plan import Span
 
 
-class PlanChecks:
-    """The Ledger's validation half (a mixin: it reads the ledger's records, request table,
-    oracle, allocator, admission and step inputs, and changes nothing but `_rows_steady`)."""
+class RowChecks:
+    """The Ledger's row validation (a mixin: it reads the ledger's records, request table and
+    step inputs, and changes nothing but `_rows_steady`). The plan's host events are checked
+    first (`host_events.HostEvents.validate`); `gone`, `resuming` and `prepared` say what they
+    will do to the rows' requests."""
 
-    def _check_host_trigger(self, record: RequestRecord, trigger: Trigger) -> None:
-        if not self.oracle.may(record, trigger):
-            raise LifecycleError(record.request_id, record.state, trigger)
-
-    def _validate(self, plan: StepPlan) -> dict[str, object]:
-        touched: dict[str, str] = {}
-
-        def once(request_id: str, what: str) -> None:
-            if request_id in touched:
-                raise PlanError(request_id, None, f"named twice in one plan ({touched[request_id]} and {what})")
-            touched[request_id] = what
-
-        freed = 0
-        for rid in plan.releases:
-            once(rid, "release")
-            record = self.record(rid, "release")
-            self._check_host_trigger(record, Trigger.RELEASE)
-            if record.slot is None:
-                raise PlanError(rid, record.state.label, "holds no slot to release (a preempted request is resumed "
-                                "or aborted, not released)")
-            freed += 1
-        for rid in plan.aborts:
-            once(rid, "abort")
-            record = self.record(rid, "abort")
-            self._check_host_trigger(record, Trigger.ABORT)
-            freed += record.slot is not None
-        for rid in plan.preempts:
-            once(rid, "preempt")
-            self._check_host_trigger(self.record(rid, "preempt"), Trigger.PREEMPT)
-            freed += 1
-        for rid in plan.resumes:
-            once(rid, "resume")
-            record = self.record(rid, "resume")
-            self._check_host_trigger(record, Trigger.RESUME)
-            if not self.ready_to_resume(record):
-                raise PlanError(rid, record.state.label, f"cannot resume before conditioning row {record.num_frames - 1} "
-                                "arrives (its replayed frames read it; engine.feed)")
-        prepared = {}
-        for req in plan.new_requests:
-            rid = req.request_id
-            queued = self.queued.get(rid)
-            if queued is not None and queued.request is req:  # enqueued earlier: validated then
-                prepared[rid] = queued.prepared
-                continue
-            if rid in prepared:
-                raise DuplicateRequestError(rid, "named twice among this plan's new requests", "new")
-            if rid in self.records or rid in self.queued:
-                known = self.records.get(rid) or self.queued.get(rid)
-                raise DuplicateRequestError(rid, "a request with this id is already in the engine", known.state.label)
-            prepared[rid] = self.admission.admissible(req)
-        wanted = len(plan.resumes) + len(plan.new_requests)
-        available = self.allocator.num_free + freed if wanted else 0
-        if wanted > available:
-            late = [*plan.resumes, *(r.request_id for r in plan.new_requests)][available]
-            raise SlotTableFullError(
-                late, f"no free slot: {wanted} admissions for {available} free of {self.table.max_slots} slots; "
-                "queue it until a request finishes",
-            )
-        gone = set(plan.aborts) | set(plan.preempts) | set(plan.releases)
-        self._validate_rows(plan.rows, gone, prepared)
-        return prepared
-
-    def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], prepared: dict) -> None:
+    def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], resuming: set[str],
+                       prepared: dict) -> None:
         """Rows of requests that already hold a slot are checked vectorised against the
         request table; anything else, or any row that fails, goes through the per-span check,
         which names the request and what is wrong. The steady decode batch (the rows the step
         inputs hold as loaded, in the same generation) is checked on arrays alone.
         Sets `_rows_steady`: every row decodes or overruns and the plan has no host event."""
-        special = gone or self._resuming or prepared
+        special = gone or resuming or prepared
         held = None if special else self.inputs.holds(rows, self.generation)
         if held is not None and self._states_ok(held.slots_np, held.tokens_np):
             self._rows_steady = True
             return
         self._rows_steady = False
         spans = [s for s in rows if s is not None]
-        special = gone | self._resuming | prepared.keys()
+        special = gone | resuming | prepared.keys()
         records = [self.records.get(s.request_id) for s in spans]
         simple = [
             i for i, (s, r) in enumerate(zip(spans, records))
@@ -115,7 +54,7 @@ class PlanChecks:
         seen: set[str] = set()
         for i, span in enumerate(spans):
             if i in bad:
-                self._validate_span(span, gone, seen, prepared)
+                self._validate_span(span, gone, resuming, seen, prepared)
             elif span.request_id in seen:
                 raise PlanError(span.request_id, None, "scheduled in two rows of one step")
             else:
@@ -128,7 +67,8 @@ class PlanChecks:
         live, terminal = self._is_live[state], self._is_terminal[state]
         return bool(np.all(np.where(live, tokens[real] == self.decode_width, terminal & (tokens[real] == 1))))
 
-    def _validate_span(self, span: Span, gone: set[str], seen: set[str], prepared: dict) -> None:
+    def _validate_span(self, span: Span, gone: set[str], resuming: set[str], seen: set[str],
+                       prepared: dict) -> None:
         rid = span.request_id
         record = self.records.get(rid)
         if rid in seen:
@@ -138,11 +78,11 @@ class PlanChecks:
             state, remaining = self._admitted_state, int(prepared[rid].prompt_embeds.shape[0])
         elif record is None:
             raise PlanError(rid, None, "scheduled but not in the engine (never admitted, or already released or aborted)")
-        elif rid in gone or (record.slot is None and rid not in self._resuming):
+        elif rid in gone or (record.slot is None and rid not in resuming):
             raise PlanError(rid, record.state.label, "scheduled but it holds no slot in this step")
         else:
-            state = State(self._dest[Trigger.RESUME, record.state]) if rid in self._resuming else record.state
-            remaining = self.resume_prompt_len(record) if rid in self._resuming else record.prompt_len - record.num_computed
+            state = State(self._dest[Trigger.RESUME, record.state]) if rid in resuming else record.state
+            remaining = self.resume_prompt_len(record) if rid in resuming else record.prompt_len - record.num_computed
         if type(span.num_tokens) is not int or span.num_tokens < 1:
             raise PlanError(rid, state.label, f"a span needs >= 1 token, got {span.num_tokens!r}")
         if state in self.live_states:
