@@ -132,7 +132,7 @@ def findings(profile: dict) -> list[str]:
         picks = [
             "mtp_fsm/sampling/sampler.py:filter_mask", "mtp_fsm/sampling/noise.py:gumbel_noise",
             "mtp_fsm/sampling/noise.py:row_key", "mtp_fsm/engine/ledger.py:stage",
-            "mtp_fsm/engine/row_checks.py:_validate_rows", "mtp_fsm/engine/host_events.py:validate",
+            "mtp_fsm/engine/ledger.py:_validate_rows", "mtp_fsm/engine/host_events.py:validate",
             "mtp_fsm/engine/ledger.py:observe", "mtp_fsm/engine/engine.py:_build_output",
         ]
         parts = [f"{k.split(':')[-1]} {funcs[k]['cum_ms_per_step']:.2f}" for k in picks if k in funcs]

@@ -2,7 +2,8 @@
 
 from .engine import LockstepEngine, ModelFault
 from .feed import FeedError
-from .plan import FinishedRequest, Frame, FrameBatch, Generation, NewRequest, RowOutput, Span, StepOutput, StepPlan
+from .outputs import FinishedRequest, Frame, FrameBatch, Generation, RowOutput, StepOutput
+from .plan import NewRequest, Span, StepPlan
 from .records import RequestRecord
 from .scheduler import SchedulerStallError, SchedulingPolicy
 

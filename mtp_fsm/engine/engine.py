@@ -25,7 +25,8 @@ from .decode_graphs import DEFAULT_BUCKETS, DecodeGraphs, resolve_mode
 from .feed import ConditioningFeed
 from .ledger import HostStep, Ledger
 from .pipeline import DevicePipeline, ModelFault, deferred_columns, frame_embed_of_words, model_call
-from .plan import FinishedRequest, FrameBatch, Generation, NewRequest, RowOutput, StepOutput, StepPlan
+from .outputs import FinishedRequest, FrameBatch, Generation, RowOutput, StepOutput
+from .plan import NewRequest, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
 from .speculation import SpeculationStats, SpeculativeStep, check_speculation, draft_columns
 

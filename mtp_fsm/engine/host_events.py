@@ -15,7 +15,8 @@ from ..lifecycle import FinishReason, Trigger
 from ..model_api import ModelSpec
 from ..slots import SlotTable
 from .admission import resolved
-from .plan import FinishedRequest, StepPlan
+from .outputs import FinishedRequest
+from .plan import StepPlan
 from .records import RequestRecord
 
 if TYPE_CHECKING:

@@ -1,6 +1,7 @@
 """The host ledger: owns the request table, the records viewing it and the queue; stages a
-StepPlan all-or-nothing (its host events through `host_events`, its rows checked by
-`row_checks`, loaded by `step_inputs`) and writes the step's device output into the table."""
+StepPlan all-or-nothing (its host events through `host_events`, its rows checked here against
+the table, vectorised, and loaded by `step_inputs`) and writes the step's device output into
+the table."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import attrs
 import numpy as np
 import torch
 
-from ..errors import DuplicateRequestError, UnknownRequestError
+from ..errors import DuplicateRequestError, PlanError, UnknownRequestError
 from ..kernels.contract import (
     OUT_NUM_COMPUTED, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents,
     StepBatch,
@@ -19,11 +20,11 @@ from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, CompiledLifecy
 from ..lifecycle.device_tables import RULE_DEST
 from ..model_api import TalkerModel
 from ..slots import SlotAllocator, SlotTable
-from .plan import FinishedRequest, NewRequest, StepPlan
+from .outputs import FinishedRequest
+from .plan import NewRequest, Span, StepPlan
 from .admission import Admission
 from .host_events import NO_EVENTS, HostEvents
 from .records import RequestRecord, RequestTable
-from .row_checks import RowChecks
 from .step_inputs import StepInputs
 
 
@@ -47,7 +48,7 @@ class HostStep:
     row_ids_np: np.ndarray | None = None  # row_ids as an object array (the output's request ids)
 
 
-class Ledger(RowChecks):
+class Ledger:
     """Host truth about requests: the request table (per-slot columns, refreshed from each
     step's single output copy) and the records viewing it, slot ownership, the queue."""
 
@@ -140,6 +141,92 @@ class Ledger(RowChecks):
             rows.tokens_np == 0, list(committed.ended), list(committed.admitted), tuple(plan.preempts),
             rows.query_start_loc, self._verify_rows(slots_np), rows.row_ids_np,
         )
+
+    # -- the plan's rows, checked against the request table (nothing changes but `_rows_steady`) --
+
+    def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], resuming: set[str],
+                       prepared: dict) -> None:
+        """Rows of requests that already hold a slot are checked vectorised against the
+        request table; anything else, or any row that fails, goes through the per-span check,
+        which names the request and what is wrong. The steady decode batch (the rows the step
+        inputs hold as loaded, in the same generation) is checked on arrays alone.
+        Sets `_rows_steady`: every row decodes or overruns and the plan has no host event."""
+        special = gone or resuming or prepared
+        held = None if special else self.inputs.holds(rows, self.generation)
+        if held is not None and self._states_ok(held.slots_np, held.tokens_np):
+            self._rows_steady = True
+            return
+        self._rows_steady = False
+        spans = [s for s in rows if s is not None]
+        special = gone | resuming | prepared.keys()
+        records = [self.records.get(s.request_id) for s in spans]
+        simple = [
+            i for i, (s, r) in enumerate(zip(spans, records))
+            if r is not None and r.slot is not None and s.request_id not in special and type(s.num_tokens) is int
+        ]
+        bad: set[int] = set(range(len(spans))) - set(simple)
+        if simple:
+            slots = np.fromiter((records[i].slot for i in simple), np.int64, len(simple))
+            tokens = np.fromiter((spans[i].num_tokens for i in simple), np.int64, len(simple))
+            remaining = self.rows.prompt_len[slots] - self.rows.num_computed[slots]
+            state = self.rows.state[slots]
+            live, terminal = self._is_live[state], self._is_terminal[state]
+            wrong = (tokens < 1) | (~live & ~terminal)
+            wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != self.decode_width)
+            wrong |= terminal & (tokens != 1)
+            bad.update(simple[i] for i in np.flatnonzero(wrong))
+            if len(np.unique(slots)) != len(slots):
+                bad.update(simple)  # a request in two rows: let the slow path name it
+            self._rows_steady = not bad and not special and bool((remaining <= 0).all())
+        seen: set[str] = set()
+        for i, span in enumerate(spans):
+            if i in bad:
+                self._validate_span(span, gone, resuming, seen, prepared)
+            elif span.request_id in seen:
+                raise PlanError(span.request_id, None, "scheduled in two rows of one step")
+            else:
+                seen.add(span.request_id)
+
+    def _states_ok(self, slots: np.ndarray, tokens: np.ndarray) -> bool:
+        """Every real row (tokens > 0) is live with a decode row's width, or ended with one overrun token."""
+        real = tokens > 0
+        state = self.rows.state[slots[real]]
+        live, terminal = self._is_live[state], self._is_terminal[state]
+        return bool(np.all(np.where(live, tokens[real] == self.decode_width, terminal & (tokens[real] == 1))))
+
+    def _validate_span(self, span: Span, gone: set[str], resuming: set[str], seen: set[str],
+                       prepared: dict) -> None:
+        rid = span.request_id
+        record = self.records.get(rid)
+        if rid in seen:
+            raise PlanError(rid, None, "scheduled in two rows of one step")
+        seen.add(rid)
+        if rid in prepared:  # admitted by this very plan
+            state, remaining = self._admitted_state, int(prepared[rid].prompt_embeds.shape[0])
+        elif record is None:
+            raise PlanError(rid, None, "scheduled but not in the engine (never admitted, or already released or aborted)")
+        elif rid in gone or (record.slot is None and rid not in resuming):
+            raise PlanError(rid, record.state.label, "scheduled but it holds no slot in this step")
+        else:
+            state = State(self._dest[Trigger.RESUME, record.state]) if rid in resuming else record.state
+            remaining = self.resume_prompt_len(record) if rid in resuming else record.prompt_len - record.num_computed
+        if type(span.num_tokens) is not int or span.num_tokens < 1:
+            raise PlanError(rid, state.label, f"a span needs >= 1 token, got {span.num_tokens!r}")
+        if state in self.live_states:
+            if remaining > 0 and span.num_tokens > remaining:
+                raise PlanError(rid, state.label, f"span of {span.num_tokens} tokens exceeds the {remaining} prompt tokens left")
+            if remaining <= 0 and span.num_tokens != self.decode_width:
+                what = "1 token" if self.decode_width == 1 else f"{self.decode_width} tokens (its last and the drafts)"
+                raise PlanError(rid, state.label, f"a decode row takes exactly {what}, got {span.num_tokens}")
+        elif state in self.terminal_states:  # a legal overrun (async scheduling): one token, like decode
+            if span.num_tokens != 1:
+                raise PlanError(rid, state.label, f"an overrun row of an ended request takes exactly 1 token, "
+                                f"got {span.num_tokens}")
+        elif state is State.STARVED:
+            raise PlanError(rid, state.label, f"waits for conditioning row {max(record.num_frames - 1, 0)} "
+                            "(engine.feed); it cannot be scheduled until it arrives")
+        else:
+            raise PlanError(rid, state.label, "cannot be scheduled in this state")
 
     def _verify_rows(self, slots: np.ndarray) -> np.ndarray | None:
         """The rows that verify drafts (a speculative lifecycle's decode rows: live, prompt

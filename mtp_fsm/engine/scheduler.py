@@ -8,7 +8,8 @@ import numpy as np
 from ..errors import ConfigurationError, MtpFsmError
 from ..lifecycle import Trigger
 from .ledger import Ledger
-from .plan import NewRequest, Span, StepOutput, StepPlan
+from .outputs import StepOutput
+from .plan import NewRequest, Span, StepPlan
 from .records import RequestRecord
 
 
