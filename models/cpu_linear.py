@@ -43,7 +43,10 @@ def hold_column_major_(weight: torch.Tensor) -> None:
     into the transposed layout, the old storage freed. Later in-place writes (load_state_dict's
     copy_) keep the layout; a weight assigned anew is moved again at its first use."""
     if not is_column_major(weight):
-        weight.data = weight.detach().t().contiguous().t()
+        # Outside inference mode: a first use under it must not leave the module holding an
+        # inference tensor (autograd would refuse the weight later).
+        with torch.inference_mode(False):
+            weight.data = weight.detach().t().contiguous().t()
 
 
 class PackedWeight:

@@ -126,3 +126,15 @@ def test_norms_reduce_with_aten_only_without_batch_invariance():
     torch.testing.assert_close(fast, norm(x), rtol=1e-14, atol=1e-14)
     reference = x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + norm.eps) * norm.weight
     torch.testing.assert_close(fast, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_a_first_use_under_inference_mode_leaves_a_trainable_weight():
+    """The move to column-major storage at a first use under torch.inference_mode (as a serving
+    host runs forwards) keeps an ordinary tensor: autograd can still use the weight afterwards."""
+    layer = Linear(1024, 1024, False)
+    x = torch.randn(1, 1024)
+    with torch.inference_mode():
+        layer(x)
+    assert is_column_major(layer.weight) and not layer.weight.is_inference() and layer.weight.requires_grad
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.expand(1024, 1024))
