@@ -56,7 +56,8 @@ class StepKV:
 
     def gather(self, pool: torch.Tensor) -> torch.Tensor:
         """The sequences' key/value rows [S, L, KV, D] (L = read_len), positions in order."""
-        # index_select copies whole blocks (3-4x faster than advanced indexing on a CPU, same bits).
+        # index_select copies whole blocks: the same bits as advanced indexing, 1.5-3.4x faster on a
+        # CPU (measured at 1, 8 and 32 sequences).
         blocks = pool.index_select(0, self.seq_blocks.reshape(-1))  # [S * nb, bs, KV, D]
         return blocks.view(self.seq_blocks.shape[0], -1, *pool.shape[2:])
 
