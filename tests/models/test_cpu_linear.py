@@ -1,5 +1,5 @@
-"""models/cpu_linear.py: the packed oneDNN linear equals F.linear to float rounding, follows weight
-changes, and leaves small weights, autograd and the batch-invariant path alone."""
+"""models/cpu_linear.py: the packed oneDNN linear and the one-row column-major gemv equal F.linear to
+float rounding, follow weight changes, and leave small weights, autograd and the batch-invariant path alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.cpu_linear import MIN_PACKED_NUMEL, PackedWeight, packed_linear
+from models.cpu_linear import MIN_PACKED_NUMEL, PackedWeight, is_column_major, packed_linear
 from models.qwen3_tts.layers import Linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
@@ -55,6 +55,57 @@ def test_small_weights_autograd_and_batch_invariant_keep_their_paths():
     with torch.no_grad():
         alone, batched = layer(x), layer(torch.cat([x, torch.randn(5, 1024)]))[:1]
     assert torch.equal(alone, batched) and layer._packed._key is None
+    assert layer.weight.is_contiguous() and not is_column_major(layer.weight)
+
+
+@settings(max_examples=10, deadline=None)
+@given(lead=st.sampled_from([(), (1,), (1, 1)]), out_features=st.sampled_from([1024, 3072]), bias=st.booleans(),
+       strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_one_row_fp32_streams_a_column_major_weight(lead, out_features, bias, strided, seed):
+    """A one-row fp32 product moves the module's own weight to column-major storage in place
+    (same Parameter, same values, same state_dict) and equals F.linear over the original."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = Linear(1024, out_features, bias).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, 1024, generator=gen) / 32)
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    param, original = layer.weight, layer.weight.detach().clone()
+    base = torch.randn(1024, 2, generator=gen)[:, 0] if strided else torch.randn(1024, generator=gen)
+    x = base.reshape(*lead, 1024)  # one row; a strided view when `strided`
+    assert x.is_contiguous() != strided
+    with torch.no_grad():
+        got = layer(x)
+        expected = F.linear(x, original, layer.bias)
+    assert layer.weight is param and is_column_major(layer.weight)
+    assert torch.equal(layer.weight, original) and torch.equal(layer.state_dict()["weight"], original)
+    assert got.shape == expected.shape == (*lead, out_features)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_column_major_weight_serves_many_rows_and_follows_loads():
+    """After the move, products of more rows (oneDNN over a copy packed from the column-major
+    storage) and a load_state_dict (copy_ into it, the layout kept) both stay right."""
+    layer = Linear(1024, 2048, True).requires_grad_(False)
+    x = torch.randn(5, 1024)
+    with torch.no_grad():
+        layer(x[:1])
+        assert is_column_major(layer.weight)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight.contiguous(), layer.bias), rtol=1e-5, atol=1e-5)
+        new_w, new_b = torch.randn(2048, 1024) / 32, torch.randn(2048)
+        layer.load_state_dict({"weight": new_w, "bias": new_b})
+        assert is_column_major(layer.weight)
+        for rows in (1, 5):
+            torch.testing.assert_close(layer(x[:rows]), F.linear(x[:rows], new_w, new_b), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_keeps_a_row_major_weight():
+    layer = Linear(1024, 1024, False).requires_grad_(False).to(torch.bfloat16)
+    x = torch.randn(1, 1024, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = layer(x)
+    assert layer.weight.is_contiguous() and layer._packed._key is not None
+    torch.testing.assert_close(got, F.linear(x, layer.weight), rtol=2e-2, atol=2e-2)
 
 
 def test_norms_reduce_with_aten_only_without_batch_invariance():
@@ -75,3 +126,15 @@ def test_norms_reduce_with_aten_only_without_batch_invariance():
     torch.testing.assert_close(fast, norm(x), rtol=1e-14, atol=1e-14)
     reference = x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + norm.eps) * norm.weight
     torch.testing.assert_close(fast, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_a_first_use_under_inference_mode_leaves_a_trainable_weight():
+    """The move to column-major storage at a first use under torch.inference_mode (as a serving
+    host runs forwards) keeps an ordinary tensor: autograd can still use the weight afterwards."""
+    layer = Linear(1024, 1024, False)
+    x = torch.randn(1, 1024)
+    with torch.inference_mode():
+        layer(x)
+    assert is_column_major(layer.weight) and not layer.weight.is_inference() and layer.weight.requires_grad
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.expand(1024, 1024))
