@@ -29,9 +29,11 @@ class DraftPolicy:
     function of the published frames alone (the frames never depend on it: speculation is
     exact for any draft count). They depend on the model, batch and machine: measure them
     (bench_speculative's fixed-k rows are the calibration) or leave the default linear
-    model. A batch that settles on d = 0 stops drafting; after `probe_every` such steps it
-    drafts once (one draft) to re-measure a, and the wait doubles, up to `max_probe_every`,
-    while the probes keep choosing 0.
+    model. A batch that settles on d = 0 stops drafting (no drafter pass, one-token decode
+    rows); after `probe_every` such steps it proposes one draft (a probe) to re-measure a,
+    and the wait doubles, up to `max_probe_every`, while the probes keep choosing 0. The
+    drafter's own state (an MTP layer's KV) is not written in steps without drafts: drafts
+    after a pause may be worse (a drafter reads zeros there), never wrong.
     """
 
     adaptive: bool = True
@@ -117,8 +119,8 @@ class DraftController:
         if d:
             self._idle, self._wait = 0, p.probe_every
             return d
-        self._idle += 1
         if self._idle < self._wait:
+            self._idle += 1
             return 0
         self._idle, self._wait = 0, min(2 * self._wait, p.max_probe_every)
         return 1  # a probe: one draft re-measures a (the geometric model needs no more)
