@@ -309,7 +309,8 @@ def _report_audio(audio, wavs, metrics, out: str) -> bool:
 def speculation_line(stats, frames: int, steps: int) -> str:
     """The demo's speculation summary: acceptance and what it bought."""
     return (f"speculation: k={stats.num_drafts}, acceptance rate {stats.acceptance_rate:.3f} "
-            f"({stats.accepted}/{stats.proposed} drafts), {stats.frames_per_row:.2f} frames per verify row, "
+            f"({stats.accepted}/{stats.proposed} drafts), {stats.drafts_per_row:.2f} drafts and "
+            f"{stats.frames_per_row:.2f} frames per verify row, "
             f"{frames / max(steps, 1):.2f} frames per engine step ({frames} frames, {steps} steps)")
 
 

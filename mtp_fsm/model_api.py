@@ -71,6 +71,9 @@ class DraftInputs:
       chain_positions, chain_slots [B, k - 1]: where the drafter's own later draft steps sit
         (position of the newest token + i, i = 0..k-2; slot -1 where that is past the context).
     A row with nothing new this step (ended, not owned) has inert tokens; its drafts are ignored.
+    num_drafts: the drafts this step proposes per row, 1..k (the engine's DraftPolicy); a step
+    that proposes none does not call the drafter, so the positions it computed are never
+    written to the drafter's state (its drafts there may be worse, never the frames).
     """
 
     hidden: torch.Tensor

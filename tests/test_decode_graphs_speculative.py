@@ -18,6 +18,7 @@ from mtp_fsm.sampling import SamplingParams
 from mtp_fsm.testing import ScriptInputs
 from mtp_fsm.testing.alone import torch_threads
 from mtp_fsm.testing.scripted import ScriptedTalker
+from mtp_fsm.testing.strategies import draft_policies
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,9 +37,10 @@ def _requests(n: int, seed: int) -> list[NewRequest]:
             for i in range(n)]
 
 
-def _engine(k: int, slots: int, draft_miss: int, mode: str, buckets=(1, 2, 4, 8)) -> LockstepEngine:
+def _engine(k: int, slots: int, draft_miss: int, mode: str, buckets=(1, 2, 4, 8), draft_policy=None) -> LockstepEngine:
     model = ScriptedTalker(num_codebooks=1, dtype=torch.float64, draft_miss=draft_miss)
-    return LockstepEngine(model, slots, kernels="torch", speculate=k, decode_graphs=mode, graph_buckets=buckets)
+    return LockstepEngine(model, slots, kernels="torch", speculate=k, decode_graphs=mode, graph_buckets=buckets,
+                          draft_policy=draft_policy)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -46,10 +48,13 @@ def _engine(k: int, slots: int, draft_miss: int, mode: str, buckets=(1, 2, 4, 8)
        buckets=st.sampled_from([(1, 2, 4, 8), (3,), (8,), (2, 5)]), seed=st.integers(0, 50),
        interventions=st.dictionaries(st.integers(1, 12), st.tuples(st.sampled_from(["preempt", "abort"]),
                                                                    st.sampled_from([f"r{i}" for i in range(6)])),
-                                     max_size=2))
+                                     max_size=2), draft_policy=draft_policies())
 def test_verify_rows_through_buckets_publish_what_the_plain_engine_publishes(k, n, slots, draft_miss, buckets, seed,
-                                                                              interventions):
-    plain, padded = _engine(k, slots, draft_miss, "off"), _engine(k, slots, draft_miss, "eager", buckets)
+                                                                              interventions, draft_policy):
+    """Whatever the draft policy: an adaptive one changes the decode width (1 + the drafts
+    verified) and the drafts proposed from step to step, each pair on buckets of its own."""
+    plain = _engine(k, slots, draft_miss, "off", draft_policy=draft_policy)
+    padded = _engine(k, slots, draft_miss, "eager", buckets, draft_policy)
     assert plain.graphs is None
     for engine in (plain, padded):
         for request in _requests(n, seed):
@@ -87,3 +92,21 @@ def test_auto_keeps_graphs_for_one_token_rows_until_verify_rows_are_checked_on_a
     assert resolve_mode("auto", cuda, Capturable, 4) == "off"
     assert resolve_mode("cuda", cuda, Capturable, 4) == "cuda"
     assert resolve_mode("eager", torch.device("cpu"), reference, 4) == "eager"
+
+
+def test_a_width_that_changes_per_step_maps_to_buckets_of_each_width():
+    """Spoiled drafts under an adaptive policy: k drafts at first (width k + 1), then none
+    (width 1) and one-draft probes (width 2); every width and proposal count has its bucket
+    step, and the frames are the unbucketed engine's."""
+    from mtp_fsm.engine.draft_policy import DraftPolicy
+
+    policy = DraftPolicy(prior=1.0, position_cost=0.4, probe_every=2, max_probe_every=4)
+    request = NewRequest("a", ScriptInputs((1, 2, 3)), max_frames=30, seed=1, cb0_sampling=SamplingParams(top_k=1))
+    padded = _engine(3, 2, 1, "eager", (2,), policy)
+    plain = _engine(3, 2, 1, "off", draft_policy=policy)
+    got, want = padded.generate([request]), plain.generate([request])
+    assert [f.codes.tolist() for f in got["a"].frames] == [f.codes.tolist() for f in want["a"].frames]
+    widths = {key[2] for key in padded.graphs.steps}
+    proposals = {key[3] for key in padded.graphs.steps}
+    assert {1, 2, 4} <= widths and {0, 1} <= proposals, padded.graphs.steps.keys()
+    assert padded.speculation == plain.speculation and padded.speculation.accepted == 0

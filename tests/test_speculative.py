@@ -18,6 +18,7 @@ from mtp_fsm.sampling import SamplingParams
 from mtp_fsm.testing import ScriptInputs
 from mtp_fsm.testing.alone import RequestDef, run_alone, scripted_mtp, scripted_single, torch_threads
 from mtp_fsm.testing.scripted import ScriptedTalker
+from mtp_fsm.testing.strategies import draft_policies
 
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 GREEDY = SamplingParams(top_k=1)
@@ -51,8 +52,10 @@ def request_defs(draw, max_context: int = 96):
 
 
 def run_speculative(definitions, k: int, *, draft_miss: int, max_slots: int, policy: SchedulingPolicy,
-                    preempt_at: dict[int, int], kernels: str = "torch", abort_at: dict[int, int] | None = None):
-    engine = LockstepEngine(drafting_talker(draft_miss), max_slots, kernels=kernels, policy=policy, speculate=k)
+                    preempt_at: dict[int, int], kernels: str = "torch", abort_at: dict[int, int] | None = None,
+                    draft_policy=None):
+    engine = LockstepEngine(drafting_talker(draft_miss), max_slots, kernels=kernels, policy=policy, speculate=k,
+                            draft_policy=draft_policy)
     requests = [d.new_request(f"r{i}") for i, d in enumerate(definitions)]
     frames = {r.request_id: [] for r in requests}
     ended = {}
@@ -79,15 +82,16 @@ def run_speculative(definitions, k: int, *, draft_miss: int, max_slots: int, pol
 @given(k=st.integers(1, 4), definitions=st.lists(request_defs(), min_size=1, max_size=5),
        draft_miss=st.sampled_from([0, 0, 2, 3]), max_slots=st.integers(1, 4),
        budget=st.integers(5, 24), chunk=st.integers(1, 16),
-       preempt_at=st.dictionaries(st.integers(0, 30), st.integers(0, 4), max_size=4))
+       preempt_at=st.dictionaries(st.integers(0, 30), st.integers(0, 4), max_size=4), draft_policy=draft_policies())
 def test_frames_equal_plain_decoding_for_any_k_batch_and_preemption(k, definitions, draft_miss, max_slots, budget,
-                                                                     chunk, preempt_at):
+                                                                     chunk, preempt_at, draft_policy):
     """The central property: every request publishes exactly its plain-decoding frames (codes
-    and indices) and ends for the same reason, whatever k, the draft quality, the batch, the
-    prefill chunking and the preemptions (a resumed request re-drafts from its replay)."""
+    and indices) and ends for the same reason, whatever k, the draft policy (how many of the k
+    drafts each step proposes), the draft quality, the batch, the prefill chunking and the
+    preemptions (a resumed request re-drafts from its replay)."""
     policy = SchedulingPolicy(token_budget=max(budget, k + 1), prefill_chunk=chunk, preempt_after_steps=1)
     frames, ended, _ = run_speculative(definitions, k, draft_miss=draft_miss, max_slots=max_slots, policy=policy,
-                                       preempt_at=preempt_at)
+                                       preempt_at=preempt_at, draft_policy=draft_policy)
     for i, d in enumerate(definitions):
         want = alone(d)
         got = frames[f"r{i}"]
@@ -101,13 +105,13 @@ def test_frames_equal_plain_decoding_for_any_k_batch_and_preemption(k, definitio
 @settings(FAST, max_examples=15)
 @given(k=st.integers(1, 4), definitions=st.lists(request_defs(), min_size=1, max_size=4),
        abort_at=st.dictionaries(st.integers(0, 12), st.integers(0, 3), min_size=1, max_size=3),
-       preempt_at=st.dictionaries(st.integers(0, 12), st.integers(0, 3), max_size=2))
-def test_aborted_requests_publish_a_prefix_of_plain_decoding(k, definitions, abort_at, preempt_at):
+       preempt_at=st.dictionaries(st.integers(0, 12), st.integers(0, 3), max_size=2), draft_policy=draft_policies())
+def test_aborted_requests_publish_a_prefix_of_plain_decoding(k, definitions, abort_at, preempt_at, draft_policy):
     """A client abort at any step boundary (a request verifying, drafting or preempted) ends
     only that request: its frames are a prefix of its plain ones, the others are untouched."""
     policy = SchedulingPolicy(token_budget=16, prefill_chunk=4, preempt_after_steps=1)
     frames, ended, engine = run_speculative(definitions, k, draft_miss=2, max_slots=2, policy=policy,
-                                            preempt_at=preempt_at, abort_at=abort_at)
+                                            preempt_at=preempt_at, abort_at=abort_at, draft_policy=draft_policy)
     for i, d in enumerate(definitions):
         want, got = alone(d), tuple(codes for _, codes in frames[f"r{i}"])
         if f"r{i}" not in ended:  # aborted while still queued: dropped, never admitted

@@ -1,5 +1,6 @@
 """The lockstep engine, its plan/output types, the host ledger and the built-in scheduling policy."""
 
+from .draft_policy import DraftPolicy
 from .engine import LockstepEngine, ModelFault
 from .feed import FeedError
 from .outputs import FinishedRequest, Frame, FrameBatch, Generation, RowOutput, StepOutput
@@ -8,6 +9,6 @@ from .records import RequestRecord
 from .scheduler import SchedulerStallError, SchedulingPolicy
 
 __all__ = [
-    "FeedError", "FinishedRequest", "Frame", "FrameBatch", "Generation", "LockstepEngine", "ModelFault", "NewRequest",
+    "DraftPolicy", "FeedError", "FinishedRequest", "Frame", "FrameBatch", "Generation", "LockstepEngine", "ModelFault", "NewRequest",
     "RequestRecord", "RowOutput", "SchedulerStallError", "SchedulingPolicy", "Span", "StepOutput", "StepPlan",
 ]

@@ -131,11 +131,14 @@ class DecodeGraphs:
     run the engine's eager stages as before."""
 
     def __init__(self, mode: str, buckets, scratch: int, device: torch.device,
-                 run: Callable[[StepBatch], torch.Tensor], *, strict: bool) -> None:
+                 run: Callable[[StepBatch], torch.Tensor], *, strict: bool,
+                 variant: Callable[[], int] | None = None) -> None:
         self.mode, self.buckets = mode, tuple(sorted(set(buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise KernelBackendError(f"decode graph buckets must be positive sizes, got {buckets!r}")
         self.scratch, self.device, self._run, self.strict = scratch, device, run, strict
+        # What else a captured step bakes in: a speculative step's proposal count.
+        self._variant = variant
         self.steps: dict[tuple, BucketStep] = {}
         self.replays = 0  # decode steps that ran through a bucket
         self.refused: dict[tuple, str] = {}  # bucket keys whose capture failed (they run eagerly)
@@ -146,8 +149,11 @@ class DecodeGraphs:
                 and batch.num_tokens == batch.num_rows * batch.decode_width and 0 < batch.num_rows <= self.buckets[-1])
 
     def key(self, batch: StepBatch) -> tuple:
-        """(bucket, host facts): which BucketStep a batch runs on (built, captured, on first use)."""
-        return next(b for b in self.buckets if b >= batch.num_rows), host_facts(batch)
+        """(bucket, host facts, decode width, variant): which BucketStep a batch runs on (built,
+        captured, on first use). A speculative engine's width (1 + the drafts verified) and
+        proposal count may change from step to step: each pair has its buckets."""
+        variant = None if self._variant is None else self._variant()
+        return next(b for b in self.buckets if b >= batch.num_rows), host_facts(batch), batch.decode_width, variant
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         key = self.key(batch)

@@ -28,6 +28,7 @@ from .pipeline import DevicePipeline, ModelFault, deferred_columns, frame_embed_
 from .outputs import FinishedRequest, FrameBatch, Generation, RowOutput, StepOutput
 from .plan import NewRequest, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
+from .draft_policy import DraftController, DraftPolicy
 from .speculation import SpeculationStats, SpeculativeStep, check_speculation, draft_columns
 
 
@@ -64,6 +65,7 @@ class LockstepEngine:
         lifecycle: LifecycleSpec | None = None,
         policy: SchedulingPolicy | None = None,
         speculate: int = 0,
+        draft_policy: DraftPolicy | None = None,
         decode_graphs: str = "auto",
         graph_buckets: Iterable[int] = DEFAULT_BUCKETS,
         debug: bool = False,
@@ -71,6 +73,9 @@ class LockstepEngine:
         """speculate=k >= 1: speculative decoding with the model's drafter (`draft`), k drafts
         verified per decode row under the `speculative` lifecycle; the frames are those of
         speculate=0 (the plain single-codebook lifecycle), only the steps are fewer.
+        draft_policy: how many of the k drafts a step proposes (DraftPolicy(): as many as pay,
+        from measured acceptance; DraftPolicy(adaptive=False): always k). A decode row's width
+        is 1 + the previous step's count: `decode_width` (a caller's own plans must use it).
 
         decode_graphs: decode-only steps through engine-owned padded buffers per batch bucket
         (`graph_buckets`), "cuda": captured and replayed as CUDA graphs (needs the Triton
@@ -142,11 +147,20 @@ class LockstepEngine:
         )
         mode = resolve_mode(decode_graphs, self.device, self.kernels, 1 + speculate)
         self.graphs = None if mode == "off" else DecodeGraphs(
-            mode, graph_buckets, self.table.max_slots, self.device, self._pipeline.run, strict=decode_graphs == "cuda")
+            mode, graph_buckets, self.table.max_slots, self.device, self._pipeline.run, strict=decode_graphs == "cuda",
+            variant=(lambda: speculative.propose) if speculative is not None else None)
         self.step_count = 0
         self._debug = DebugChecks(self) if debug else None
         # Speculative engines: drafts proposed / accepted, frames per verify row.
         self.speculation = SpeculationStats(speculate) if speculative is not None else None
+        self._drafts = DraftController(draft_policy or DraftPolicy(), speculate) if speculate else None
+        if self._drafts is not None:
+            self._drafts.apply(speculative, self.ledger)
+
+    @property
+    def decode_width(self) -> int:
+        """Tokens a decode row must have in the next step: 1, or 1 + the drafts it verifies."""
+        return self.ledger.decode_width
 
     def _cb0_allowed(self) -> torch.Tensor:
         # CB0 may be any codec id or the codec EOS; other specials of the backbone head are not frames.
@@ -325,6 +339,9 @@ class LockstepEngine:
             torch.cuda.current_stream(self.device).synchronize()
         self.step_count += 1
         output = self._build_output(host, packed.numpy())
+        if self._drafts is not None:  # this step's proposals are the next one's verify rows
+            self._drafts.advance()
+            self._drafts.apply(self._pipeline.speculative, self.ledger)
         if self._debug is not None:  # before the feed's host triggers, which are not device stages
             self._debug.finished(host)
         if self.feeds.enabled:  # decoding requests whose next conditioning row is missing rest in starved
@@ -407,7 +424,9 @@ class LockstepEngine:
         is_frame = frames_np[:, OUT_VALID] == 1
         valid = np.flatnonzero(is_frame)
         if self.speculation is not None and host.verify_np is not None:
-            self.speculation.record(host.verify_np, is_frame.reshape(-1, per_row))
+            accepted = self.speculation.record(host.verify_np, is_frame.reshape(-1, per_row))
+            if self._drafts is not None:
+                self._drafts.observe(per_row - 1, accepted)
         # Selected in numpy (a torch index op costs more than the rows it moves): `packed` is
         # this step's own copy, the row view shares it, and fancy indexing copies again, so
         # FrameBatch and RowOutput never alias each other or an engine buffer.

@@ -29,23 +29,32 @@ class SpeculationStats:
     accepted counts drafts that were accepted and published (a draft accepted at the
     position where the target then sampled EOS ends the request unpublished: not counted)."""
 
-    num_drafts: int
-    verify_rows: int = 0  # decode rows verified (one per request per step)
-    proposed: int = 0  # drafts verified: num_drafts per verify row
+    num_drafts: int  # k: the most drafts a step verifies (DraftPolicy chooses how many)
+    verify_rows: int = 0  # decode rows verified (one per request per step, with 0..k drafts)
+    proposed: int = 0  # drafts verified: the step's draft count per verify row
     accepted: int = 0
     frames: int = 0  # frames the verify rows published (accepted drafts + one bonus each)
 
-    def record(self, verify, published) -> None:
-        """verify: bool [B] rows that verified drafts; published: bool [B, k + 1] per position."""
+    def record(self, verify, published):
+        """verify: bool [B] rows that verified drafts; published: bool [B, d + 1] per position
+        (d: the step's draft count). Returns drafts accepted per verify row."""
         rows = published[verify]
+        accepted = rows[:, 1:].sum(axis=1)
         self.verify_rows += len(rows)
-        self.proposed += self.num_drafts * len(rows)
-        self.accepted += int(rows[:, 1:].sum())
+        self.proposed += (rows.shape[1] - 1) * len(rows)
+        self.accepted += int(accepted.sum())
         self.frames += int(rows.sum())
+        return accepted
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def drafts_per_row(self) -> float:
+        """Drafts a verify row carried on average (k under the fixed policy, less where the
+        adaptive one backed off)."""
+        return self.proposed / self.verify_rows if self.verify_rows else 0.0
 
     @property
     def frames_per_row(self) -> float:
@@ -83,7 +92,10 @@ def draft_columns(lifecycle, num_drafts: int) -> dict[str, ColumnSpec]:
 
 
 class SpeculativeStep:
-    """The device pipeline of the `speculative` lifecycle (see its docstring) with k drafts.
+    """The device pipeline of the `speculative` lifecycle (see its docstring) with up to k
+    drafts: each step verifies `verify` drafts per decode row (what the previous step
+    proposed) and proposes `propose` for the next (engine-set from its DraftPolicy; both k
+    under the fixed one). The draft column holds k; a step uses its first `verify`.
 
     Holds the engine's parts, never the engine (DevicePipeline's reason)."""
 
@@ -91,11 +103,12 @@ class SpeculativeStep:
         self.spec, self.kernels, self.table, self._lc = spec, kernels, table, device_lifecycle
         self._forward, self._cb0_logits, self._draft, self._frame_embed, self._text_step = calls
         self._allowed, self.num_drafts = allowed, num_drafts
+        self.verify, self.propose = num_drafts, num_drafts
 
     @property
     def positions(self) -> int:
-        """Verify positions per row: packed output rows per step row."""
-        return self.num_drafts + 1
+        """Verify positions per row this step: packed output rows per step row."""
+        return self.verify + 1
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Returns the packed output [B * (k + 1), C], row-major: row b's verify positions in
@@ -105,19 +118,21 @@ class SpeculativeStep:
         The positions are rows: one head call and one draw over all B x (k + 1) of them, the
         verify loop's stages over all positions at once (kernels' `verify_frames`), then the
         drafter from each row's last accepted token."""
-        k, kern, table, lc = self.num_drafts, self.kernels, self.table, self._lc
+        k, kern, table, lc = self.verify, self.kernels, self.table, self._lc
         slot, positions = batch.idx_mapping, k + 1
-        owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
-        start = table.num_computed[slot].clone()
-        live = in_class(lc, table.state[slot], CLASS_LIVE)
-        verify = owned & live & (start >= table.prompt_len[slot]) & (batch.num_scheduled == positions)
-        # Only a verify row has drafts (a prefill row's column holds no draft for it).
-        drafts = table.extra[DRAFT_TOKENS][slot] if k else slot.new_zeros(slot.shape[0], 0)
+        owned = start = None
+        if k or self.propose:
+            owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
+            start = table.num_computed[slot].clone()
         inputs, token_positions, token_slots = kern.compose_inputs(table, lc, batch, self._text_step)
         if k:
+            live = in_class(lc, table.state[slot], CLASS_LIVE)
+            verify = owned & live & (start >= table.prompt_len[slot]) & (batch.num_scheduled == positions)
+            # Only a verify row has drafts (a prefill row's column holds no draft for it).
+            drafts = table.extra[DRAFT_TOKENS][slot, :k]
             inputs = self._with_drafts(batch, verify, drafts, inputs)
         hidden = self._forward(inputs, token_positions, token_slots)
-        packed = self.verify_positions(batch, verify, drafts, hidden)
+        packed = self.verify_positions(batch, verify, drafts, hidden) if k else self.one_position(batch, hidden)
         self._propose(batch, owned, start, inputs, hidden, token_positions, token_slots)
         out = packed.view(slot.shape[0], positions, -1)
         # The drafter's stage may end a row: its columns after the whole step.
@@ -129,7 +144,7 @@ class SpeculativeStep:
                          hidden: torch.Tensor) -> torch.Tensor:
         """The verify loop over the forward's hidden states: position j of a verify row samples
         at its j-th token, any other row once, at its last. -> packed [B * (k + 1), C]."""
-        kern, positions = self.kernels, self.num_drafts + 1
+        kern, positions = self.kernels, drafts.shape[1] + 1
         offsets = torch.arange(positions, device=hidden.device)
         rows_at = torch.where(verify[:, None], batch.query_start_loc[:-1, None] + offsets, batch.last_token[:, None])
         logits = self._cb0_logits(hidden[rows_at.reshape(-1)])
@@ -139,6 +154,16 @@ class SpeculativeStep:
         embeds = self._frame_embed(tokens.reshape(-1, 1))
         return kern.verify_frames(self.table, self._lc, batch, verify, tokens, faults, drafts, embeds, eos_token_id=eos)
 
+    def one_position(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The verify loop when no row has drafts (the adaptive policy drafted none): its one
+        position is the plain sample and publish stages at each row's last token, with
+        DRAFT_ACCEPTED false (verify_loop.py's position 0), without the all-positions
+        machinery. -> packed [B, C]."""
+        kern, eos = self.kernels, self.spec.eos_token_id
+        logits = self._cb0_logits(hidden[batch.last_token])
+        codes = kern.sample_cb0(self.table, self._lc, batch, logits, eos_token_id=eos, allowed=self._allowed)[:, None]
+        return kern.publish_frames(self.table, self._lc, batch, codes, self._frame_embed(codes), last=False)
+
     def _with_drafts(self, batch: StepBatch, verify: torch.Tensor, drafts: torch.Tensor,
                      inputs: torch.Tensor) -> torch.Tensor:
         """A verify row's token j >= 1 carries draft j - 1, embedded as the frame it would be
@@ -146,7 +171,7 @@ class SpeculativeStep:
         table, rows, offsets = self.table, batch.token_rows, batch.token_offsets
         token_slot = batch.idx_mapping[rows]
         drafted = verify[rows] & (offsets >= 1)
-        ids = drafts[rows, (offsets - 1).clamp(0, self.num_drafts - 1)]
+        ids = drafts[rows, (offsets - 1).clamp(0, drafts.shape[1] - 1)]
         frame_index = (table.num_frames[token_slot] - 1 + offsets).clamp(min=0)
         embeds = self._frame_embed(ids[:, None]) + self._text_step(table.extra, token_slot, frame_index).to(inputs.dtype)
         return torch.where(drafted[:, None], embeds.to(inputs.dtype), inputs)
@@ -155,7 +180,7 @@ class SpeculativeStep:
                  hidden: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor) -> None:
         """The drafter from each row's last accepted token (`DraftInputs`); then the draft
         stage (the step's last: rows left in-step are flagged)."""
-        k, table, slot = self.num_drafts, self.table, batch.idx_mapping
+        k, table, slot = self.propose, self.table, batch.idx_mapping
         faults = torch.zeros(slot.shape, dtype=torch.int32, device=slot.device)
         if k:
             end = table.num_computed[slot]
@@ -173,18 +198,18 @@ class SpeculativeStep:
             if batch.has_prefill:
                 prompt = table.prompt_embeds[slot, end.clamp(max=table.max_context - 1)]
                 follow = torch.where((end < table.prompt_len[slot])[:, None], prompt.to(inputs.dtype), follow)
-                draft_inputs = self._over_the_step(has, last, follow, chain, inputs, hidden, positions, token_slots)
+                draft_inputs = self._over_the_step(has, last, follow, chain, inputs, hidden, positions, token_slots, k)
             else:
                 draft_inputs = self._from_last_accepted(has, advanced, last, follow, chain, inputs, hidden, positions,
-                                                        token_slots)
+                                                        token_slots, k)
             proposed = self._draft(draft_inputs, self._chooser(batch, faults)).to(torch.int64)
             column = table.extra[DRAFT_TOKENS]
-            column[slot] = torch.where(has[:, None], proposed, column[slot])
+            column[slot, :k] = torch.where(has[:, None], proposed, column[slot, :k])
             faults = torch.where(has, faults, 0)
         self.kernels.mtp_scatter(table, self._lc, batch, faults, None, last=True)
 
     def _from_last_accepted(self, has, advanced, last, follow, chain, inputs, hidden, positions,
-                            token_slots) -> DraftInputs:
+                            token_slots, k: int) -> DraftInputs:
         """An all-decode step: two tokens per row, its last accepted one and the one before it
         (inert unless this step computed it). The one before writes the drafter's KV at the
         position the previous step's draft chain stopped short of when every draft was
@@ -195,16 +220,16 @@ class SpeculativeStep:
         next_inputs = torch.stack([inputs[last], follow], dim=1).reshape(2 * rows, -1)
         slots = torch.where(keep, token_slots[pair], -1)
         newest = torch.arange(rows, device=last.device) * 2 + 1
-        return DraftInputs(hidden[pair], next_inputs, positions[pair], slots, newest, *chain, self.num_drafts)
+        return DraftInputs(hidden[pair], next_inputs, positions[pair], slots, newest, *chain, k)
 
-    def _over_the_step(self, has, last, follow, chain, inputs, hidden, positions, token_slots) -> DraftInputs:
+    def _over_the_step(self, has, last, follow, chain, inputs, hidden, positions, token_slots, k: int) -> DraftInputs:
         """A step with prefill rows: every token of the step (a prompt chunk's drafter KV is
         read by every later draft), each followed by the next token's input."""
         tokens = inputs.shape[0]
         shifted = torch.cat([inputs[1:], inputs.new_zeros(2, inputs.shape[1])])  # row `tokens` is a sink
         shifted[torch.where(has, last, tokens)] = follow
         return DraftInputs(hidden, shifted[:tokens], positions, token_slots, last.clamp(max=max(tokens - 1, 0)), *chain,
-                           self.num_drafts)
+                           k)
 
     def _chooser(self, batch: StepBatch, faults: torch.Tensor):
         """Draft i of a row is drawn as the target will sample that frame (num_frames + i):

@@ -86,3 +86,17 @@ class Pending:
         for key, value in extra.items():
             parts[key] = parts[key] + tuple(value)
         return StepPlan(rows=tuple(rows), **parts)
+
+
+def draft_policies() -> st.SearchStrategy:
+    """Speculative engines' draft policies: the engine's default (None), fixed k, and adaptive
+    ones over their inputs (costs that make drafting pay or never pay, priors, smoothing and
+    probe intervals), so the draft count varies from step to step in different ways."""
+    from ..engine.draft_policy import DraftPolicy
+
+    adaptive = st.builds(
+        lambda cost, prior, smoothing, probe, factor: DraftPolicy(
+            position_cost=cost, prior=prior, smoothing=smoothing, probe_every=probe, max_probe_every=probe * factor),
+        st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0]), st.floats(0.0, 1.0), st.floats(0.05, 1.0), st.integers(1, 4),
+        st.integers(1, 4))
+    return st.one_of(st.none(), st.just(DraftPolicy(adaptive=False)), adaptive)

@@ -26,7 +26,7 @@ def verify_position_by_position(step, batch: StepBatch, verify: torch.Tensor, dr
     time: the head, the kernels' `sample_cb0` (the table's own counts and frame index as the
     earlier positions left them) and `publish_frames` (DRAFT_ACCEPTED from this position's
     token) per position; every position's row columns filled after the loop."""
-    table, kern, lc, k = step.table, step.kernels, step._lc, step.num_drafts
+    table, kern, lc, k = step.table, step.kernels, step._lc, drafts.shape[1]
     slot = batch.idx_mapping
     packed = []
     for j in range(k + 1):

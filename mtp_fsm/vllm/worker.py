@@ -10,6 +10,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from ..engine import LockstepEngine
+from ..engine.draft_policy import DraftPolicy
 from .model_dir import TalkerDirConfig
 from .schedule_mapping import ScheduleMapper
 from .speculation import check_vllm_config
@@ -56,9 +57,11 @@ class FsmWorker(WorkerBase):
         # peak: at the end of a step, before idle slots give theirs back (a slot vLLM preempted in
         # this step frees its blocks only then); held: between steps, what the running requests hold.
         self.kv_peak_blocks = self.kv_held_peak_blocks = 0
-        # vLLM owns CUDA-graph capture of its steps: the engine's own decode graphs stay off.
+        # vLLM owns CUDA-graph capture of its steps: the engine's own decode graphs stay off. Its
+        # scheduler plans 1 + k tokens for every decoding request: k drafts every step.
         self.engine = LockstepEngine(talker.model, max_slots, kernels=config.kernels, device=self.device,
-                                     decode_graphs="off", speculate=config.speculate)
+                                     decode_graphs="off", speculate=config.speculate,
+                                     draft_policy=DraftPolicy(adaptive=False))
         self.mapper = ScheduleMapper(self.engine, config.stop_token_id, type(talker.text_inputs("a")))
 
     def get_model(self) -> torch.nn.Module:

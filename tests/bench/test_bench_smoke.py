@@ -203,13 +203,20 @@ def test_speculative_bench_runs_every_k_on_the_same_frames_and_renders():
 
     with torch_threads(1):
         section = bench_speculative({"tiny": dict(ks=(0, 2), batches=(2,), max_frames=6)}, rounds=1, log=lambda _: None)
-    rows = {(r["workload"], r["k"]): r for r in section["rows"]}
-    assert rows["greedy", 0]["frames"] == rows["greedy", 2]["frames"] > 0  # bench_speculative also raises on a mismatch
-    assert 0.0 <= rows["greedy", 2]["acceptance"] <= 1.0 and rows["greedy", 2]["frames_per_verify_row"] >= 1.0
+    rows = {(r["workload"], r["k"], r["policy"]): r for r in section["rows"]}
+    assert set(rows) == {(w, k, p) for w in ("greedy", "sampled") for k, p in ((0, "plain"), (2, "fixed"), (2, "adaptive"))}
+    plain, fixed, adaptive = rows["greedy", 0, "plain"], rows["greedy", 2, "fixed"], rows["greedy", 2, "adaptive"]
+    assert plain["frames"] == fixed["frames"] == adaptive["frames"] > 0  # bench_speculative also raises on a mismatch
+    assert 0.0 <= fixed["acceptance"] <= 1.0 and fixed["frames_per_verify_row"] >= 1.0
+    assert fixed["drafts_per_verify_row"] == 2.0 and 0.0 <= adaptive["drafts_per_verify_row"] <= 2.0
     assert section["speed_vs_k0"]["tiny"]["sampled"]["2"]["0"] == 1.0
-    assert section["speed_vs_k0"]["tiny"]["greedy"]["2"]["2"] == rows["greedy", 2]["speed_vs_k0"] > 0
+    assert section["speed_vs_k0"]["tiny"]["greedy"]["2"]["2"] == adaptive["speed_vs_k0"] > 0
+    assert section["speed_vs_k0_fixed"]["tiny"]["greedy"]["2"]["2"] == fixed["speed_vs_k0"] > 0
+    # The adaptive pass's costs are the fixed pass's step ratios (d = 1 between d = 0 and d = 2).
+    costs = section["step_costs"]["tiny"]["greedy"]["2"]
+    assert costs[0] == 1.0 and costs[2] == fixed["step_vs_k0"] and costs[1] == (1.0 + costs[2]) / 2
     table = speculative_table(section)
-    assert "| tiny | greedy | 2 | 2 |" in table and "| tiny | sampled | 2 | 0 |" in table
+    assert "| tiny | greedy | 2 | 2 | adaptive |" in table and "| tiny | sampled | 2 | 0 | plain |" in table
     assert section["targets"] == []  # no target is measured at B=2
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mtp_fsm.engine import LockstepEngine, NewRequest, SchedulingPolicy
+from mtp_fsm.engine.draft_policy import DraftPolicy
 from mtp_fsm.sampling import SamplingParams
 from mtp_fsm.testing import ScriptInputs
 from mtp_fsm.testing.alone import RequestDef, run_alone, scripted_single, torch_threads
@@ -20,9 +21,9 @@ REQUESTS = [
 ]
 
 
-def run(kernels: str, k: int, draft_miss: int = 3):
+def run(kernels: str, k: int, draft_miss: int = 3, draft_policy=None):
     model = ScriptedTalker(num_codebooks=1, dtype=torch.float64, draft_miss=draft_miss)
-    engine = LockstepEngine(model, 2, kernels=kernels, speculate=k,
+    engine = LockstepEngine(model, 2, kernels=kernels, speculate=k, draft_policy=draft_policy,
                             policy=SchedulingPolicy(token_budget=12, prefill_chunk=2, preempt_after_steps=1))
     log = []
     for r in REQUESTS:
@@ -43,14 +44,22 @@ def _one_thread():
         yield
 
 
-@pytest.mark.parametrize("k,draft_miss", [(1, 0), (2, 2)])
-def test_triton_speculative_engine_equals_torch_engine_and_plain_decoding(k, draft_miss):
+@pytest.mark.parametrize("k,draft_miss,draft_policy", [
+    (1, 0, None), (2, 2, None), (2, 2, DraftPolicy(adaptive=False)),
+    # Spoiled drafts: k at first, then steps without drafts (one position) and one-draft probes.
+    (3, 1, DraftPolicy(prior=1.0, position_cost=0.4, probe_every=2, max_probe_every=2)),
+])
+def test_triton_speculative_engine_equals_torch_engine_and_plain_decoding(k, draft_miss, draft_policy):
     """Step by step the same frames, endings and acceptance counts as the torch backend, and
-    every request's frames are its plain-decoding ones (identity on this backend too)."""
-    triton_log, triton_stats = run("triton", k, draft_miss)
-    torch_log, torch_stats = run("torch", k, draft_miss)
+    every request's frames are its plain-decoding ones (identity on this backend too), under
+    the fixed and adaptive draft policies."""
+    triton_log, triton_stats = run("triton", k, draft_miss, draft_policy)
+    torch_log, torch_stats = run("torch", k, draft_miss, draft_policy)
     assert triton_log == torch_log
-    assert triton_stats == torch_stats and 0 < torch_stats.accepted < torch_stats.proposed
+    assert triton_stats == torch_stats and torch_stats.accepted < torch_stats.proposed
+    assert (torch_stats.accepted == 0) == (draft_miss == 1)
+    if draft_miss == 1:
+        assert torch_stats.drafts_per_row < k  # it backed off
     for r in REQUESTS:
         want = run_alone(scripted_single, RequestDef.of(r))
         frames = tuple(entry[3] for entry in triton_log if entry[1] == r.request_id and isinstance(entry[3], tuple))
