@@ -80,11 +80,12 @@ class StepBatch:
     # Host-known: token i is row i's only token (token_rows is arange(B), token_offsets 0);
     # True lets compose skip its per-token gathers, False is always correct.
     tokens_are_rows: bool = False
+    # Tokens in the step (token_rows' length), host-known: stored once, read every step.
+    num_tokens: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens", int(self.token_rows.shape[0]))
 
     @property
     def num_rows(self) -> int:
         return int(self.idx_mapping.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_rows.shape[0])

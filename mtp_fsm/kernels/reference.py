@@ -20,11 +20,10 @@ from ..lifecycle import CLASS_LIVE, DeviceLifecycle, Phase, Predicate
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..sampling.params import sampler_facts
 from ..slots import ERR_IDENTITY, ERR_SPAN, SlotTable
-from .cb0_draw import draw_cb0_rows
 from .contract import StepBatch, TextStep
 # The step-boundary stages (host events, admissions, resume replay) live beside the decode ones.
 from .events import apply_admits, apply_host_events, replay_frames  # noqa: F401
-from .row_ops import PhaseResult, at, const, flag, in_class, owned_rows, put, record, run_phase  # noqa: F401
+from .row_ops import PhaseResult, at, const, draw_cb0_rows, flag, in_class, owned_rows, put, record, run_phase  # noqa: F401
 # Speculative decoding's verify positions as rows (their own module: the stage functions' names).
 from .verify import sample_positions, verify_frames  # noqa: F401
 

@@ -1,5 +1,6 @@
 """The torch stages' shared row primitives: slot-column gathers and writes, the identity guard,
-one phase's lifecycle move and its record in the table.
+one phase's lifecycle move and its record in the table, and the CB0 draw of plain rows and
+verify positions alike.
 
 At a handful of rows a stage is dozens of tiny ops whose cost is the dispatcher's, not the
 data's: `index_select` / `index_copy_` skip `Tensor.__getitem__`'s index parsing, and constant
@@ -15,6 +16,8 @@ import torch
 
 from ..lifecycle import DeviceLifecycle, Phase, Predicate
 from ..lifecycle.phase_fold import PUBLISH_SENSITIVE
+from ..sampling import sample_tokens
+from ..sampling.penalties import PENALTY_BEFORE_TEMPERATURE, apply_repetition_penalty, suppress_eos
 from ..slots import ERR_ILLEGAL, SlotTable
 from .contract import StepBatch
 
@@ -71,7 +74,9 @@ def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: tor
     after-publish value keeps its value through the phase."""
     given = after_publish or {}
     after = {p: given.get(p, facts[p]) for p in PUBLISH_SENSITIVE if p in facts or p in given}
-    weights, state_weight = lc.phase_weights(tuple(facts), tuple(after))
+    key = (tuple(facts), tuple(after))
+    # The layout's weights are built once; a dict hit costs no Python call (three phases a step).
+    weights, state_weight = lc.weights.get(key) or lc.phase_weights(*key)
     # The masks stacked alone (one dtype: a mixed stack promotes at a cost), the state added.
     masks = torch.stack([owned, *facts.values(), *after.values()], dim=1)
     index = (masks * weights).sum(dim=1) + state * state_weight
@@ -104,3 +109,31 @@ def flag(table: SlotTable, slot: torch.Tensor, mask: torch.Tensor, bit: int) -> 
     """Set a sticky error bit on the rows where mask holds."""
     bits = torch.where(mask, const(bit, torch.int32, slot.device), const(0, torch.int32, slot.device))
     put(table.error, slot, at(table.error, slot) | bits)
+
+
+def draw_cb0_rows(table: SlotTable, batch: StepBatch, logits: torch.Tensor, slots: torch.Tensor,
+                  frame_index: torch.Tensor, counts: torch.Tensor | None, *, eos_token_id: int | None,
+                  allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row i of `logits` draws frame frame_index[i] of the request in slots[i] (its sampling
+    columns, counter noise and min_frames), with counts[i] as the repetition penalty's history
+    (None: no row penalises, batch.cb0_penalty is False). The penalty goes where the model's
+    order puts it (table.cb0_penalty_order, `sampling.penalties`). Returns (tokens, faults)."""
+    suppress = batch.cb0_min_frames and eos_token_id is not None
+    early = batch.cb0_penalty and table.cb0_penalty_order == PENALTY_BEFORE_TEMPERATURE
+
+    def penalise(x: torch.Tensor) -> torch.Tensor:
+        return apply_repetition_penalty(x, counts, at(table.cb0_penalty, slots))
+
+    def rules(x: torch.Tensor) -> torch.Tensor:
+        if early:
+            x = penalise(x)
+        if suppress:
+            x = suppress_eos(x, eos_token_id, frame_index, at(table.min_frames, slots))
+        return x
+
+    return sample_tokens(
+        logits, at(table.cb0_temperature, slots), at(table.cb0_top_k, slots), at(table.cb0_top_p, slots),
+        at(table.seed, slots), frame_index, 0, allowed=allowed, apply_filters=batch.cb0_filters,
+        top_k_max=batch.cb0_top_k_max, any_top_p=batch.cb0_any_top_p, top_k_min=batch.cb0_top_k_min,
+        rules=rules if early or suppress else None, late=penalise if batch.cb0_penalty and not early else None,
+    )

@@ -18,9 +18,8 @@ import torch
 
 from ..lifecycle import CLASS_LIVE, DeviceLifecycle, Phase, Predicate
 from ..slots import ERR_ILLEGAL, SlotTable
-from .cb0_draw import draw_cb0_rows
 from .contract import OUT_CODES, StepBatch
-from .row_ops import at, const, in_class, owned_rows, put
+from .row_ops import at, const, draw_cb0_rows, in_class, owned_rows, put
 
 # Bits of a position's packed outcome (destination state in the low byte).
 _PUBLISHED, _STUCK, _SAMPLE_ENDED, _REASON_SHIFT = 8, 9, 10, 11
@@ -70,7 +69,9 @@ def sample_positions(table: SlotTable, batch: StepBatch, verify: torch.Tensor, l
 
 def _phase_word(lc: DeviceLifecycle, owned: torch.Tensor, facts: dict, after: dict):
     """Each position's index into a phase table before the state is added, and the state's weight."""
-    weights, state_weight = lc.phase_weights(tuple(facts), tuple(after))
+    key = (tuple(facts), tuple(after))
+    # The layout's weights are built once; a dict hit costs no Python call (three phases a step).
+    weights, state_weight = lc.weights.get(key) or lc.phase_weights(*key)
     masks = torch.stack([owned, *facts.values(), *after.values()], dim=-1)
     return (masks * weights).sum(dim=-1), state_weight.to(torch.int64)
 

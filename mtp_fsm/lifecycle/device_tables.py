@@ -37,7 +37,8 @@ class DeviceLifecycle:
     phase_tables: dict[tuple[Phase, bool], tuple[torch.Tensor, ...]] = attrs.field(init=False)
     # CLASS_* bit -> bool [num_states]: whether each state is in that class (one gather per test).
     class_masks: dict[int, torch.Tensor] = attrs.field(init=False)
-    _weights: dict = attrs.field(init=False, factory=dict)
+    # (predicates, after) -> phase_weights' result: read directly by the executors' hot path.
+    weights: dict = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         rules, device = self.rules.cpu(), self.rules.device
@@ -59,9 +60,9 @@ class DeviceLifecycle:
     def phase_weights(self, predicates: tuple, after: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The index weights of a phase's columns (`phase_fold.phase_weights`), built once per layout."""
         key = (predicates, after)
-        if key not in self._weights:
-            self._weights[key] = phase_weights(predicates, after, self.rules.device)
-        return self._weights[key]
+        if key not in self.weights:
+            self.weights[key] = phase_weights(predicates, after, self.rules.device)
+        return self.weights[key]
 
     @property
     def num_states(self) -> int:
