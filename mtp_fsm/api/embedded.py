@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -23,12 +24,45 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on its command queue before looking again
 # The most a step waits for the first audio of requests whose first frame it published (JobRouter.wait_first_audio).
 FIRST_AUDIO_WAIT_S = 0.1
-# An idle engine that gets a request waits this long for more before its first step, so requests that
-# arrive together (the client's burst, parsed one by one by the event loop) share that step instead of
-# the later ones waiting a whole step for the next boundary (the engine's first-frame clock starts at
-# admission and does not see that wait; the client does).
-COALESCE_S = 0.005
+# An idle engine that gets a request waits for the rest of its burst before its first step, so requests that
+# arrive together (the client's burst, parsed one by one by the event loop) share that step instead of the
+# later ones waiting a whole step for the next boundary. The event loop marks the end of each of its
+# iterations that handed over requests ("mark"): requests parsed in one iteration are never split. After a
+# mark the engine waits COALESCE_GAP_S more for requests whose bytes reached the server an iteration later
+# (a fixed 5 ms gap after every request cost every request those 5 ms, c=1 too), COALESCE_MAX_S at most.
+COALESCE_GAP_S = 0.002
 COALESCE_MAX_S = 0.05
+
+
+def collect_commands(commands: queue.SimpleQueue, *, block: bool, idle_wait_s: float = _IDLE_WAIT_S,
+                     gap_s: float = COALESCE_GAP_S, max_s: float = COALESCE_MAX_S) -> list[tuple[str, object]]:
+    """The commands to run now, in order. Not blocking (a busy engine, between steps): those waiting.
+    Blocking (an idle engine): the next to come (up to `idle_wait_s`), and when that is a submit, the
+    rest of its burst: until the event loop's mark after the last submit, then until `gap_s` passes with
+    no new command; `max_s` from the first at most. Why an idle engine waits at all: admission work (the
+    model's prompt preparation) would hold the GIL while the event loop still parses the burst's other
+    requests, and those would wait a whole step (measured: 8-10 ms between the first request and the rest)."""
+    try:
+        taken = [commands.get(timeout=idle_wait_s) if block else commands.get_nowait()]
+    except queue.Empty:
+        return []
+    deadline = time.monotonic() + max_s
+    unmarked = taken[0][0] == "submit"  # a submit with no mark of its loop iteration's end after it yet
+    bursting = unmarked
+    while True:
+        wait = 0.0
+        if block and bursting:
+            left = deadline - time.monotonic()
+            wait = left if unmarked else min(gap_s, left)
+        try:
+            command = commands.get(timeout=wait) if wait > 0 else commands.get_nowait()
+        except queue.Empty:
+            return taken
+        taken.append(command)
+        if command[0] == "submit":
+            unmarked = bursting = True
+        elif command[0] == "mark":
+            unmarked = False
 
 
 class _Admission:
@@ -70,6 +104,7 @@ class EmbeddedBackend:
         # The admission sink sits before the router: a refused request's report is caught first.
         self.loop = ServingLoop(engine, sinks=(self._admission, self.router))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._mark_armed = False  # (the event loop's thread) a burst mark is due at its next iteration
         self._failure: str | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mtp-fsm-engine", daemon=True)
@@ -81,7 +116,8 @@ class EmbeddedBackend:
 
     @property
     def metrics(self):
-        """The engine-side ServingMetrics (first frame from engine submit; read from another thread: approximate)."""
+        """The engine-side ServingMetrics (first frame from the engine's submit, and from the moment its thread
+        took the request: first_frame_from_received_ms; read from another thread: approximate)."""
         return self.loop.metrics
 
     def build(self, speech, request_id: str, *, seed: int, max_frames: int):
@@ -96,6 +132,13 @@ class EmbeddedBackend:
             raise ApiError(503, f"the engine is not serving: {why}", reason="engine_down", request_id=job.request_id)
         self.router.register(job)
         self._commands.put(("submit", job))
+        if not self._mark_armed:  # call_soon: after the other requests this iteration of the loop parses
+            self._mark_armed = True
+            asyncio.get_running_loop().call_soon(self._mark)
+
+    def _mark(self) -> None:
+        self._mark_armed = False
+        self._commands.put(("mark", None))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -137,33 +180,24 @@ class EmbeddedBackend:
         self._abort_all("server shutdown")
 
     def _drain(self, *, block: bool) -> None:
-        """Run the commands waiting (or, idle, the next ones to come). An idle engine collects a burst
-        before touching any of it: admission work would hold the GIL while the event loop still parses
-        the burst's other requests (measured: 8-10 ms between the first request and the rest)."""
-        try:
-            commands = [self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()]
-        except queue.Empty:
+        """Run the commands waiting (or, idle, the next ones to come: a burst, `collect_commands`)."""
+        commands = collect_commands(self._commands, block=block)
+        if not commands:
             return
-        deadline = time.monotonic() + COALESCE_MAX_S
-        while True:
-            wait = min(COALESCE_S, deadline - time.monotonic()) if block else 0.0
-            try:
-                commands.append(self._commands.get(timeout=wait) if wait > 0 else self._commands.get_nowait())
-            except queue.Empty:
-                break
+        taken = self.loop.clock()  # the engine has the whole batch from here (its first-frame clock starts)
         for kind, arg in commands:
             if kind == "submit":
-                self._submit(arg)
+                self._submit(arg, taken)
             elif kind == "abort":
                 self.loop.abort(arg)
-            else:
+            elif kind == "stop":
                 self._stopped.set()
                 return
 
-    def _submit(self, job: SpeechJob) -> None:
+    def _submit(self, job: SpeechJob, taken: float) -> None:
         self._admission.submitting, self._admission.detail = job.request_id, None
         try:
-            accepted = self.loop.submit(job.request)
+            accepted = self.loop.submit(job.request, received=taken)
         except MtpFsmError as exc:  # a duplicate id: refused by name, nothing queued
             accepted, self._admission.detail = False, str(exc)
         finally:
