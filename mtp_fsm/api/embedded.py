@@ -28,8 +28,9 @@ FIRST_AUDIO_WAIT_S = 0.1
 # arrive together (the client's burst, parsed one by one by the event loop) share that step instead of the
 # later ones waiting a whole step for the next boundary. The event loop marks the end of each of its
 # iterations that handed over requests ("mark"): requests parsed in one iteration are never split. After a
-# mark the engine waits COALESCE_GAP_S more for requests whose bytes reached the server an iteration later
-# (a fixed 5 ms gap after every request cost every request those 5 ms, c=1 too), COALESCE_MAX_S at most.
+# mark the engine waits for requests whose bytes reached the server later: twice the widest spacing of the
+# burst's submits so far, COALESCE_GAP_S at least (a fixed 5 ms after every request cost every request
+# those 5 ms, c=1 too; a fixed 2 ms split bursts on a loaded machine), COALESCE_MAX_S from the first at most.
 COALESCE_GAP_S = 0.002
 COALESCE_MAX_S = 0.05
 
@@ -38,29 +39,34 @@ def collect_commands(commands: queue.SimpleQueue, *, block: bool, idle_wait_s: f
                      gap_s: float = COALESCE_GAP_S, max_s: float = COALESCE_MAX_S) -> list[tuple[str, object]]:
     """The commands to run now, in order. Not blocking (a busy engine, between steps): those waiting.
     Blocking (an idle engine): the next to come (up to `idle_wait_s`), and when that is a submit, the
-    rest of its burst: until the event loop's mark after the last submit, then until `gap_s` passes with
-    no new command; `max_s` from the first at most. Why an idle engine waits at all: admission work (the
-    model's prompt preparation) would hold the GIL while the event loop still parses the burst's other
-    requests, and those would wait a whole step (measured: 8-10 ms between the first request and the rest)."""
+    rest of its burst: until the event loop's mark after the last submit, then until no command came for
+    max(gap_s, 2 x the widest spacing between the burst's submits); `max_s` from the first at most. Why an
+    idle engine waits at all: admission work (the model's prompt preparation) would hold the GIL while the
+    event loop still parses the burst's other requests, and those would wait a whole step."""
     try:
         taken = [commands.get(timeout=idle_wait_s) if block else commands.get_nowait()]
     except queue.Empty:
         return []
-    deadline = time.monotonic() + max_s
+    now = time.monotonic()
+    deadline = now + max_s
     unmarked = taken[0][0] == "submit"  # a submit with no mark of its loop iteration's end after it yet
     bursting = unmarked
+    last_submit, widest = (now if bursting else None), 0.0
     while True:
         wait = 0.0
         if block and bursting:
             left = deadline - time.monotonic()
-            wait = left if unmarked else min(gap_s, left)
+            wait = left if unmarked else min(max(gap_s, 2 * widest), left)
         try:
             command = commands.get(timeout=wait) if wait > 0 else commands.get_nowait()
         except queue.Empty:
             return taken
         taken.append(command)
         if command[0] == "submit":
-            unmarked = bursting = True
+            now = time.monotonic()
+            if last_submit is not None:
+                widest = max(widest, now - last_submit)
+            last_submit, unmarked, bursting = now, True, True
         elif command[0] == "mark":
             unmarked = False
 
@@ -92,8 +98,10 @@ class EmbeddedBackend:
     /health to 503 (a broken engine must not keep serving wrong frames)."""
 
     def __init__(self, talker: LoadedTalker, engine: LockstepEngine, decoder: CodecDecoder | None, *,
-                 audio_threaded: bool = True, first_audio_wait_s: float = FIRST_AUDIO_WAIT_S) -> None:
+                 audio_threaded: bool = True, first_audio_wait_s: float = FIRST_AUDIO_WAIT_S,
+                 coalesce_gap_s: float = COALESCE_GAP_S) -> None:
         self.talker, self.engine = talker, engine
+        self.coalesce_gap_s = coalesce_gap_s
         self.first_audio_wait_s = first_audio_wait_s  # 0: never wait (throughput over first audio)
         self.talker_name = talker.name
         self.router = JobRouter(decoder, engine.spec.frame_width, threaded=audio_threaded)
@@ -104,7 +112,6 @@ class EmbeddedBackend:
         # The admission sink sits before the router: a refused request's report is caught first.
         self.loop = ServingLoop(engine, sinks=(self._admission, self.router))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._mark_armed = False  # (the event loop's thread) a burst mark is due at its next iteration
         self._failure: str | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mtp-fsm-engine", daemon=True)
@@ -132,13 +139,9 @@ class EmbeddedBackend:
             raise ApiError(503, f"the engine is not serving: {why}", reason="engine_down", request_id=job.request_id)
         self.router.register(job)
         self._commands.put(("submit", job))
-        if not self._mark_armed:  # call_soon: after the other requests this iteration of the loop parses
-            self._mark_armed = True
-            asyncio.get_running_loop().call_soon(self._mark)
-
-    def _mark(self) -> None:
-        self._mark_armed = False
-        self._commands.put(("mark", None))
+        # call_soon: after the other requests this iteration of the loop parses (one mark each: a flag to
+        # send one per iteration would stay set if the loop stopped before running it).
+        asyncio.get_running_loop().call_soon(self._commands.put, ("mark", None))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -181,7 +184,7 @@ class EmbeddedBackend:
 
     def _drain(self, *, block: bool) -> None:
         """Run the commands waiting (or, idle, the next ones to come: a burst, `collect_commands`)."""
-        commands = collect_commands(self._commands, block=block)
+        commands = collect_commands(self._commands, block=block, gap_s=self.coalesce_gap_s)
         if not commands:
             return
         taken = self.loop.clock()  # the engine has the whole batch from here (its first-frame clock starts)

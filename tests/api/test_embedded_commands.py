@@ -71,3 +71,28 @@ def test_an_idle_engine_does_not_wait_after_an_abort_or_a_stale_mark():
         began = time.monotonic()
         assert collect_commands(q, block=True, gap_s=10.0, max_s=10.0) == [first]
         assert time.monotonic() - began < 5.0
+
+
+def test_the_gap_after_a_mark_widens_with_the_bursts_own_spacing():
+    # a, then b 100 ms later (its mark not yet come, so b joins): c 120 ms after b's mark still joins
+    # (2 x the widest spacing), where a fixed 1 ms gap would have started the step without it; then the
+    # burst ends (not at max_s).
+    q = filled(("submit", "a"))
+
+    def later() -> None:
+        time.sleep(0.1)
+        q.put(("submit", "b"))
+        q.put(("mark", None))
+        time.sleep(0.12)
+        q.put(("submit", "c"))
+        q.put(("mark", None))
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    began = time.monotonic()
+    try:
+        got = collect_commands(q, block=True, gap_s=0.001, max_s=10.0)
+    finally:
+        thread.join()
+    assert [c for c in got if c[0] == "submit"] == [("submit", "a"), ("submit", "b"), ("submit", "c")]
+    assert time.monotonic() - began < 5.0
