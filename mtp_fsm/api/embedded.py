@@ -28,9 +28,10 @@ FIRST_AUDIO_WAIT_S = 0.1
 # arrive together (the client's burst, parsed one by one by the event loop) share that step instead of the
 # later ones waiting a whole step for the next boundary. The event loop marks the end of each of its
 # iterations that handed over requests ("mark"): requests parsed in one iteration are never split. After a
-# mark the engine waits for requests whose bytes reached the server later: twice the widest spacing of the
-# burst's submits so far, COALESCE_GAP_S at least (a fixed 5 ms after every request cost every request
-# those 5 ms, c=1 too; a fixed 2 ms split bursts on a loaded machine), COALESCE_MAX_S from the first at most.
+# mark the engine waits for requests whose bytes reached the server later: as long as the widest spacing
+# of the burst's submits so far, COALESCE_GAP_S at least (a fixed 5 ms after every request cost every
+# request those 5 ms, c=1 too; a fixed 2 ms split bursts on a loaded machine, where the event loop parses
+# a burst 1-4 ms a request), COALESCE_MAX_S from the first at most.
 COALESCE_GAP_S = 0.002
 COALESCE_MAX_S = 0.05
 
@@ -40,7 +41,7 @@ def collect_commands(commands: queue.SimpleQueue, *, block: bool, idle_wait_s: f
     """The commands to run now, in order. Not blocking (a busy engine, between steps): those waiting.
     Blocking (an idle engine): the next to come (up to `idle_wait_s`), and when that is a submit, the
     rest of its burst: until the event loop's mark after the last submit, then until no command came for
-    max(gap_s, 2 x the widest spacing between the burst's submits); `max_s` from the first at most. Why an
+    max(gap_s, the widest spacing between the burst's submits); `max_s` from the first at most. Why an
     idle engine waits at all: admission work (the model's prompt preparation) would hold the GIL while the
     event loop still parses the burst's other requests, and those would wait a whole step."""
     try:
@@ -56,7 +57,7 @@ def collect_commands(commands: queue.SimpleQueue, *, block: bool, idle_wait_s: f
         wait = 0.0
         if block and bursting:
             left = deadline - time.monotonic()
-            wait = left if unmarked else min(max(gap_s, 2 * widest), left)
+            wait = left if unmarked else min(max(gap_s, widest), left)
         try:
             command = commands.get(timeout=wait) if wait > 0 else commands.get_nowait()
         except queue.Empty:

@@ -74,16 +74,16 @@ def test_an_idle_engine_does_not_wait_after_an_abort_or_a_stale_mark():
 
 
 def test_the_gap_after_a_mark_widens_with_the_bursts_own_spacing():
-    # a, then b 100 ms later (its mark not yet come, so b joins): c 120 ms after b's mark still joins
-    # (2 x the widest spacing), where a fixed 1 ms gap would have started the step without it; then the
-    # burst ends (not at max_s).
+    # a, then b 200 ms later (its mark not yet come, so b joins): c 100 ms after b's mark still joins
+    # (the widest spacing, 200 ms), where a fixed 1 ms gap would have started the step without it; then
+    # the burst ends (not at max_s).
     q = filled(("submit", "a"))
 
     def later() -> None:
-        time.sleep(0.1)
+        time.sleep(0.2)
         q.put(("submit", "b"))
         q.put(("mark", None))
-        time.sleep(0.12)
+        time.sleep(0.1)
         q.put(("submit", "c"))
         q.put(("mark", None))
 
