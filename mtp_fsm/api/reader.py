@@ -5,11 +5,7 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Callable
 
-import numpy as np
-import torch
-
 from ..lifecycle import FinishReason
-from ..serving.wav import pcm16
 from .errors import ApiError
 from .jobs import AudioEvent, AudioFailedEvent, EndEvent, FramesEvent, SpeechJob
 from .metrics import SpeechMetrics
@@ -18,7 +14,7 @@ _DROPPED = frozenset({FinishReason.ABORT, FinishReason.ERROR})
 
 
 class JobReader:
-    """Yields ("frames", FramesEvent) and ("audio", float32 samples) in order until the stream is whole:
+    """Yields ("frames", FramesEvent) and ("audio", 16-bit PCM bytes) in order until the stream is whole:
     the request's end has come and, for audio, the decoder's final chunk (a request ended by a fault or
     an abort gets none). A fault ends the iteration with ApiError 500 (model or decoder), an abort the
     client did not ask for with 503; the caller decides what a client that already has bytes sees.
@@ -65,7 +61,7 @@ class JobReader:
                         if first:
                             self._first_audio()
                         self.samples += len(event.samples)
-                        yield "audio", event.samples
+                        yield "audio", event.pcm
                         if first and job.on_first_audio is not None:
                             job.on_first_audio()  # asked for more: the first audio went out, the engine may step on
                     if event.is_final:
@@ -107,6 +103,3 @@ class JobReader:
         (self.metrics.active if self._active else self.metrics.queued).dec()
 
 
-def pcm16_bytes(samples: np.ndarray) -> bytes:
-    """float samples -> 16-bit little-endian PCM, rounded as the WAV writer of the speech-out stage rounds."""
-    return pcm16(torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32)))

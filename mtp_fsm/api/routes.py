@@ -13,7 +13,6 @@ import time
 import uuid
 import wave
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -21,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from ..lifecycle import FinishReason
 from .errors import ApiError
 from .jobs import SpeechJob
-from .reader import JobReader, pcm16_bytes
+from .reader import JobReader
 from .schema import parse_speech_request
 from .service import SpeechService
 
@@ -147,7 +146,7 @@ async def _whole(request: Request, svc: SpeechService, flight: _Flight, headers:
         codes = [row for event in frames for row in event.codes.tolist()]
         return JSONResponse({"request_id": flight.job.request_id, "finish_reason": headers["X-Finish-Reason"],
                              "frames": codes}, headers=headers)
-    pcm = pcm16_bytes(np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32))
+    pcm = b"".join(audio)  # 16-bit PCM per chunk: the same bytes as the whole converted at once
     if speech.response_format == "pcm":
         return Response(pcm, media_type="audio/pcm", headers=headers)
     buffer = io.BytesIO()
@@ -180,7 +179,7 @@ async def _streamed(request: Request, svc: SpeechService, flight: _Flight, heade
                 return _sse({"type": "speech.codes.delta", "index": item.first_index, "codes": item.codes.tolist()})
             return b"".join(_line({"index": item.first_index + i, "codes": row})
                             for i, row in enumerate(item.codes.tolist()))
-        pcm = pcm16_bytes(item)
+        pcm = item
         return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode("ascii")}) if sse else pcm
 
     def done() -> bytes:

@@ -86,6 +86,8 @@ class AudioStream:
     at nice 15 but first audio 1.5 s, x0.94 and 0.27 s at nice 0).
     on_error(request_id, message): called (from the worker thread) when a request's audio fails; no
     final chunk follows for it, so a consumer waiting for one (an HTTP stream) learns it here.
+    on_batch_done(): called after each batch of hand-outs (one worker wake-up's windows), so a consumer
+    may pass a batch's chunks on at once (the HTTP server wakes its event loop once, not per chunk).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class AudioStream:
         max_finished: int = DEFAULT_MAX_FINISHED,
         worker_nice: int | None = None,
         on_error: Callable[[str, str], None] | None = None,
+        on_batch_done: Callable[[], None] | None = None,
     ) -> None:
         self.decoder, self.timing = decoder, DecoderTiming.of(decoder)
         if first_chunk is None:
@@ -109,7 +112,7 @@ class AudioStream:
         if type(queue_depth) is not int or queue_depth < 1:
             raise ValueError(f"queue_depth must be an int >= 1, got {queue_depth!r}")
         self.on_audio, self.clock, self.max_finished, self.worker_nice = on_audio, clock, max_finished, worker_nice
-        self.on_error = on_error
+        self.on_error, self.on_batch_done = on_error, on_batch_done
         self.chunker = ChunkingSink(self._submit, first_chunk, chunk, self.timing.left_context_frames,
                                     num_codebooks=frame_width)
         self.stats: OrderedDict[str, AudioStats] = OrderedDict()
@@ -218,6 +221,16 @@ class AudioStream:
                 return
 
     def _process(self, items: list) -> None:
+        try:
+            self._process_items(items)
+        finally:
+            if self.on_batch_done is not None:
+                try:
+                    self.on_batch_done()
+                except Exception:  # the worker must survive a failing consumer
+                    log.exception("audio worker: on_batch_done failed")
+
+    def _process_items(self, items: list) -> None:
         items = [(kind, c) for kind, payload in items for c in (payload if kind == "batch" else (payload,))]
         items = [("chunk" if kind == "batch" else kind, payload) for kind, payload in items]
         chunks = []

@@ -47,14 +47,16 @@ class ServingLoop:
 
     # -- client side ---------------------------------------------------------------------
 
-    def submit(self, request: NewRequest) -> bool:
-        """Accept a request into the queue; False when it was rejected (reported as an error)."""
+    def submit(self, request: NewRequest, *, received: float | None = None) -> bool:
+        """Accept a request into the queue; False when it was rejected (reported as an error).
+        received: when the caller's thread took it (a clock reading), for a batch submitted one after
+        another (metrics: RequestMetrics.received_time)."""
         rid = request.request_id
         if rid in self.metrics.requests:
             rm = self.metrics.requests[rid]
             state = rm.finish_reason.label if rm.finish_reason is not None else self.engine.requests().get(rid, "submitted")
             raise DuplicateRequestError(rid, "request ids must be unique for the serving loop's lifetime", state)
-        self.metrics.on_submit(rid, self.clock())
+        self.metrics.on_submit(rid, self.clock(), received)
         try:
             self.engine.add_request(request)
         except AdmissionError as exc:  # bad fields or inputs the model refuses: this request's fault only

@@ -1,5 +1,6 @@
 """JobRouter: frames and PCM reach only their own job, in order; the first-audio wait covers exactly the
-step that sends a request's first chunk to the decoder, and ends when the event loop has that audio."""
+step that sends a request's first chunk to the decoder, and ends when the event loop has that audio; the
+event loop is woken once per step and per decode batch, never for an audio job's later frames."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.qwen3_tts.codec import tiny_demo_decoder
-from mtp_fsm.api.jobs import AudioEvent, EndEvent, FramesEvent, JobRouter, SpeechJob
+from mtp_fsm.api.jobs import AudioEvent, EndEvent, FramesEvent, JobRouter, SpeechJob, wake_jobs
 from mtp_fsm.api.schema import SpeechRequest
 from mtp_fsm.engine.plan import FinishedRequest, FrameBatch, NewRequest
 from mtp_fsm.lifecycle import FinishReason
@@ -77,3 +80,55 @@ def test_ends_reach_their_job_and_an_abort_gets_no_more_audio(loop):
     samples = sum(len(e.samples) for e in got_b if isinstance(e, AudioEvent))
     assert samples == 2 * 1920
     assert len(router) == 0  # both forgotten
+
+
+class _CountingLoop:
+    """An event loop whose call_soon_threadsafe calls are counted (each is one wake-up of the real loop)."""
+
+    def __init__(self, loop) -> None:
+        self.loop, self.wakes = loop, 0
+
+    def call_soon_threadsafe(self, *args):
+        self.wakes += 1
+        return self.loop.call_soon_threadsafe(*args)
+
+    def create_future(self):
+        return self.loop.create_future()
+
+
+def test_one_wake_per_step_and_per_decode_batch_and_none_for_an_audio_jobs_later_frames(loop):
+    counting = _CountingLoop(loop)
+    router = JobRouter(tiny_demo_decoder(seed=0), 16, threaded=False)  # first chunk: 1 frame
+    pcm = [job(counting, f"p{i}", "pcm") for i in range(3)]
+    codes = job(counting, "c", "codes")
+    for j in (*pcm, codes):
+        router.register(j)
+    router.on_frames(0, frames([(j.request_id, 0) for j in (*pcm, codes)]))
+    assert counting.wakes == 2  # the step's (first frames: headers) and the decode batch's (3 first audio chunks)
+    got = {j.request_id: drain(loop, j) for j in (*pcm, codes)}
+    assert all([type(e) for e in got[j.request_id]] == [FramesEvent, AudioEvent] for j in pcm)
+    router.on_frames(1, frames([(j.request_id, 1) for j in (*pcm, codes)]))
+    assert counting.wakes == 3  # the codes job's frames; the audio jobs' wait in their mailboxes (no audio yet)
+    assert all(drain(loop, j) == [] for j in pcm) and [type(e) for e in drain(loop, codes)] == [FramesEvent]
+    router.on_finished(2, FinishedRequest("p0", FinishReason.EOS, 2))
+    # The end delivers what waited, in order: the frame, then the final chunk's audio and the end.
+    assert [type(e) for e in drain(loop, pcm[0])] == [FramesEvent, AudioEvent, EndEvent]
+    assert all(drain(loop, j) == [] for j in pcm[1:])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.booleans(), max_size=20))
+def test_a_wake_delivers_everything_pushed_before_it_in_order(wakes):
+    loop = asyncio.new_event_loop()
+    try:
+        j = job(loop, "a", "pcm")
+        for i, wake in enumerate(wakes):
+            j.push(i, wake=wake)
+        got = drain(loop, j)
+        last_wake = max((i for i, w in enumerate(wakes) if w), default=-1)
+        # In order, everything up to the last wake; a later quiet push may ride on a wake not yet run.
+        assert got == list(range(len(got))) and len(got) >= last_wake + 1
+        wake_jobs([j])
+        assert got + drain(loop, j) == list(range(len(wakes)))  # ...and the rest on the next wake
+    finally:
+        loop.close()

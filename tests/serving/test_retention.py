@@ -157,3 +157,15 @@ def test_serving_loop_preempt_passes_through():
     serving.run_until_idle()
     assert serving.engine.scheduler.num_preemptions == 1 and sink.finished["a"].reason is FinishReason.LENGTH
     assert len(sink.codes("a")) == 6
+
+
+def test_first_frame_from_received_counts_the_wait_before_submit():
+    m = ServingMetrics()
+    m.on_submit("a", 2.0, received=1.5)  # taken in a batch at 1.5, submitted after the others' admission
+    m.on_submit("b", 2.0)
+    m.on_frame("a", 3.0)
+    m.on_frame("b", 3.0)
+    assert m.requests["a"].first_frame_from_received_ms == 1500.0 and m.requests["a"].first_frame_ms == 1000.0
+    assert m.requests["b"].first_frame_from_received_ms == m.requests["b"].first_frame_ms == 1000.0
+    with pytest.raises(ValueError, match="'c': received at 3.0, after its submit at 2.0"):
+        m.on_submit("c", 2.0, received=3.0)
