@@ -420,7 +420,7 @@ class LockstepEngine:
         # the first carries the row's state after the step, every one the frame it published.
         frames_np = packed_np[:-1]
         rows_np = frames_np[::per_row]
-        _, ended = self.ledger.observe(host, rows_np, self._explain_errors)
+        ended = self.ledger.observe(host, rows_np, self._explain_errors)
         is_frame = frames_np[:, OUT_VALID] == 1
         valid = np.flatnonzero(is_frame)
         if self.speculation is not None and host.verify_np is not None:
@@ -431,7 +431,7 @@ class LockstepEngine:
         # this step's own copy, the row view shares it, and fancy indexing copies again, so
         # FrameBatch and RowOutput never alias each other or an engine buffer.
         row_ids = host.row_ids_np if host.row_ids_np is not None else np.array(host.row_ids, dtype=object)
-        ids = row_ids[valid // per_row] if len(valid) else ()
+        ids = row_ids[valid if per_row == 1 else valid // per_row] if len(valid) else ()
         published = torch.from_numpy(frames_np[valid, OUT_CODES:])
         payload = self.spec.payload
         frames = FrameBatch(
@@ -443,7 +443,7 @@ class LockstepEngine:
         row_output = RowOutput(
             request_ids=host.row_ids,
             query_start_loc=host.query_start_loc.clone(),
-            valid=torch.from_numpy(rows_np[:, OUT_VALID] == 1),
+            valid=torch.from_numpy(is_frame if per_row == 1 else rows_np[:, OUT_VALID] == 1),
             codes=torch.from_numpy(rows_np[:, OUT_CODES:]),
         )
         return StepOutput(self.step_count - 1, frames, tuple(ended), row_output, host.batch.num_tokens, host.preempted)

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import DuplicateRequestError, PlanError, UnknownRequestError
 from ..kernels.contract import (
-    OUT_NUM_COMPUTED, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, OUT_VALID, ReplayFrames, StagedAdmits, StagedEvents,
+    OUT_NUM_COMPUTED, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, ReplayFrames, StagedAdmits, StagedEvents,
     StepBatch,
 )
 from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, CompiledLifecycle, FinishReason, Oracle, State, Trigger
@@ -40,6 +40,7 @@ class HostStep:
     row_ids: tuple[str | None, ...]
     slots_np: np.ndarray  # slot per row (scratch for padding), host copy
     padding_np: np.ndarray
+    all_real: bool  # no padding row (the common step)
     ended: list[FinishedRequest]  # aborts applied at this boundary
     admitted: list[RequestRecord]  # new and resumed requests given a slot at this boundary
     preempted: tuple[str, ...] = ()
@@ -138,7 +139,7 @@ class Ledger:
         slots_np = rows.slots_np
         return HostStep(
             committed.events, committed.admits, committed.replay, rows.batch, rows.records, rows.row_ids, slots_np,
-            rows.tokens_np == 0, list(committed.ended), list(committed.admitted), tuple(plan.preempts),
+            rows.padding_np, rows.all_real, list(committed.ended), list(committed.admitted), tuple(plan.preempts),
             rows.query_start_loc, self._verify_rows(slots_np), rows.row_ids_np,
         )
 
@@ -240,35 +241,38 @@ class Ledger:
 
     def observe(
         self, host: HostStep, packed: np.ndarray, explain: Callable[[list[int]], list[str]] | None = None,
-    ) -> tuple[np.ndarray, list[FinishedRequest]]:
-        """Write the step's copied output [B, OUT_CODES + Q] into the request table.
-
-        Returns (indices of rows that published a frame, requests that ended this step).
-        `explain(slots)` gives the detail of the requests that ended with reason error (read
-        only when some did, so the common step costs nothing).
-        Vectorised: the only Python loops run over published frames and ended requests.
+    ) -> list[FinishedRequest]:
+        """Write the step's copied output [B, OUT_CODES + Q] into the request table; returns
+        the requests that ended this step (the boundary's aborts first). `explain(slots)` gives
+        the detail of the requests that ended with reason error (read only when some did, so
+        the common step costs nothing). Vectorised: the only Python loop runs over the ended.
         """
         ended = list(host.ended)
-        real = ~host.padding_np
-        if not real.any():
-            return np.zeros(0, dtype=np.int64), ended
-        whole = bool(real.all())  # the common step: no padding rows to leave out
-        slots, out = (host.slots_np, packed) if whole else (host.slots_np[real], packed[real])
+        if host.all_real:  # the common step: no padding row to leave out
+            real, slots, out = None, host.slots_np, packed
+        else:
+            real = ~host.padding_np
+            if not real.any():
+                return ended
+            slots, out = host.slots_np[real], packed[real]
         rows = self.rows
         was_terminal = self._is_terminal[rows.state[slots]]
         rows.state[slots] = out[:, OUT_STATE]
         rows.num_frames[slots] = out[:, OUT_NUM_FRAMES]
         rows.reason[slots] = out[:, OUT_REASON]
         rows.num_computed[slots] = out[:, OUT_NUM_COMPUTED]
-        now_terminal = self._is_terminal[packed[:, OUT_STATE]] & real
-        newly = np.flatnonzero(now_terminal & ~(was_terminal if whole else _scatter(real, was_terminal)))
+        now_terminal = self._is_terminal[packed[:, OUT_STATE]]
+        if real is None:
+            newly = np.flatnonzero(now_terminal & ~was_terminal)
+        else:
+            newly = np.flatnonzero(now_terminal & real & ~_scatter(real, was_terminal))
         errors = [int(host.slots_np[row]) for row in newly if packed[row, OUT_REASON] == int(FinishReason.ERROR)]
         details = iter(explain(errors) if errors and explain is not None else ())
         for row in newly:
             record = host.row_records[row]
             detail = next(details, "") if record.finish_reason is FinishReason.ERROR else ""
             ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames, detail))
-        return np.flatnonzero(packed[:, OUT_VALID] == 1), ended
+        return ended
 
 
 def _class_lookup(states) -> np.ndarray:

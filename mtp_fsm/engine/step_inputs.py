@@ -26,6 +26,8 @@ class LoadedRows:
     batch: StepBatch  # device views of the buffers
     slots_np: np.ndarray  # int64 [R], slot per row (the scratch row for padding)
     tokens_np: np.ndarray  # int64 [R], tokens per row (0 for padding)
+    padding_np: np.ndarray  # bool [R], a padding row (no tokens)
+    all_real: bool  # no padding row: the host's per-step bookkeeping needs no mask
     query_start_loc: torch.Tensor  # host view (clone it to publish)
     row_ids: tuple
     row_ids_np: np.ndarray  # the row ids as an object array (the output's request ids)
@@ -110,7 +112,8 @@ class StepInputs:
         tensors["is_padding"] = tensors["is_padding"].bool()
         start, n = views["query_start_loc"]
         loaded = LoadedRows(
-            rows, generation, records, self._batch(tensors, records, counts), slots, counts,
+            rows, generation, records, self._batch(tensors, records, counts), slots, counts, counts == 0,
+            bool(counts.all()),
             self._host[start:start + n], tuple(None if s is None else s.request_id for s in rows),
             np.array([None if s is None else s.request_id for s in rows], dtype=object), steady,
         )
