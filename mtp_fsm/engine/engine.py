@@ -8,14 +8,10 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from ..errors import (
-    AdmissionError, ConfigurationError, DuplicateRequestError, EngineInvariantError, ModelBindingError, PlanTypeError,
-)
+from ..errors import ConfigurationError, EngineInvariantError, ModelBindingError, PlanTypeError
 from ..kernels import select_backend
-from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID, StagedEvents
-from ..lifecycle import (
-    FinishReason, LifecycleCompileError, Oracle, Phase, Trigger, compile_lifecycle, lifecycle_for,
-)
+from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID
+from ..lifecycle import LifecycleCompileError, Oracle, Phase, compile_lifecycle, lifecycle_for
 from ..lifecycle.spec import LifecycleSpec
 from ..model_api import PreparedPrompt, TalkerModel, feed_columns
 from ..sampling import describe_fault
@@ -23,9 +19,10 @@ from ..slots import SlotTable
 from .debug_checks import DebugChecks
 from .decode_graphs import DEFAULT_BUCKETS, DecodeGraphs, resolve_mode
 from .feed import ConditioningFeed
+from .generate import generate
 from .ledger import HostStep, Ledger
 from .pipeline import DevicePipeline, ModelFault, deferred_columns, frame_embed_of_words, model_call
-from .outputs import FinishedRequest, FrameBatch, Generation, RowOutput, StepOutput
+from .outputs import FrameBatch, Generation, RowOutput, StepOutput
 from .plan import NewRequest, StepPlan
 from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
 from .draft_policy import DraftController, DraftPolicy
@@ -245,43 +242,7 @@ class LockstepEngine:
         All or nothing: every request is validated before any is queued (AdmissionError or
         DuplicateRequestError naming the first bad one, nothing queued). Every request gets
         exactly one end: one aborted while still queued ends with reason abort, 0 frames."""
-        requests = list(requests)
-        self._check_batch(requests)
-        results: dict[str, Generation] = {}
-        for request in requests:
-            self.add_request(request)
-            results[request.request_id] = Generation(request.request_id)
-        while (output := self.step()) is not None:
-            for frame in output.frames:
-                if frame.request_id in results:
-                    results[frame.request_id].frames.append(frame)
-            for finished in output.finished:
-                if finished.request_id in results:
-                    results[finished.request_id].finished = finished
-            if on_step is not None:
-                on_step(self, output)
-        held = self.requests()
-        for rid, generation in results.items():
-            if generation.finished is None and rid not in held:  # dropped from the queue by an abort
-                generation.finished = FinishedRequest(rid, FinishReason.ABORT, len(generation.frames),
-                                                      "aborted while queued")
-        return results
-
-    def _check_batch(self, requests: list[NewRequest]) -> None:
-        seen: set[str] = set()
-        held = self.requests()
-        for request in requests:
-            if not isinstance(request, NewRequest):
-                raise AdmissionError(repr(request)[:60], f"not a NewRequest ({type(request).__name__}); nothing queued")
-            rid = request.request_id
-            if rid in seen or rid in held:
-                raise DuplicateRequestError(rid, "the id is already in the engine or twice in this batch; nothing "
-                                            "queued", held.get(rid, "in this batch"))
-            seen.add(rid)
-            try:
-                self.ledger.admission.admissible(request)
-            except AdmissionError as exc:
-                raise AdmissionError(rid, f"{exc.reason}; nothing queued") from exc
+        return generate(self, requests, on_step)
 
     def step(self, plan: StepPlan | None = None) -> StepOutput | None:
         """Run one lockstep step: `plan`, or the built-in policy's (None when idle).
@@ -370,20 +331,9 @@ class LockstepEngine:
         return self._pipeline.run(host.batch)
 
     def _fail_step(self, host: HostStep, exc: BaseException) -> StepOutput:
-        detail = f"model raised during step {self.step_count}: {exc!r}"
-        slots, before, ended = self.ledger.events.fail_rows(host, detail)
-        if slots:
-            index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-            # Roll the rows back to their state at the step boundary (the host mirror),
-            # then abort and release them through the transition table, like a client abort.
-            self.table.state[index] = torch.tensor(before, dtype=self.table.state.dtype, device=self.device)
-            events = StagedEvents(
-                index,
-                torch.tensor([[int(Trigger.ABORT), int(Trigger.RELEASE)]] * len(slots), dtype=torch.int64,
-                             device=self.device),
-                torch.full((len(slots),), int(FinishReason.ERROR), dtype=torch.int32, device=self.device),
-            )
-            self.kernels.apply_host_events(self.table, self._lc, events)
+        """A model exception mid-step: the step's requests end with reason error (host_events)."""
+        ended = self.ledger.events.fail_step(host, f"model raised during step {self.step_count}: {exc!r}",
+                                             self.kernels, self._lc)
         self.step_count += 1
         rows = len(host.row_ids)
         return StepOutput(

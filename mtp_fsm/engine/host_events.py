@@ -169,6 +169,23 @@ class HostEvents:
         record.detach(self.ledger.vacant_state)
         record.serial = 0
 
+    def fail_step(self, host: "HostStep", detail: str, kernels, lc) -> list[FinishedRequest]:
+        """A step whose model raised: `fail_rows` on the host, then the device rows rolled back
+        to their state at the step boundary (the request table's) and aborted and released
+        through the transition table, like a client abort. Returns the requests it ended."""
+        slots, before, ended = self.fail_rows(host, detail)
+        if slots:
+            table = self.ledger.table
+            index = torch.tensor(slots, dtype=torch.int64, device=table.device)
+            table.state[index] = torch.tensor(before, dtype=table.state.dtype, device=table.device)
+            kernels.apply_host_events(table, lc, StagedEvents(
+                index,
+                torch.tensor([[int(Trigger.ABORT), int(Trigger.RELEASE)]] * len(slots), dtype=torch.int64,
+                             device=table.device),
+                torch.full((len(slots),), int(FinishReason.ERROR), dtype=torch.int32, device=table.device),
+            ))
+        return ended
+
     def fail_rows(self, host: "HostStep", detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
         """A step whose model raised: its scheduled and newly admitted live requests end
         with reason error and free their slots at once, like a client abort (the host ended
