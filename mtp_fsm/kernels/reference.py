@@ -102,7 +102,7 @@ def sample_cb0(
 def draw_cb0(table: SlotTable, batch: StepBatch, logits: torch.Tensor, *, eos_token_id: int | None,
              allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's CB0 token and fault word: frame num_frames of its request, its penalty
-    history the slot's CB0 counts (`cb0_draw.draw_cb0_rows`)."""
+    history the slot's CB0 counts (`row_ops.draw_cb0_rows`)."""
     slot = batch.idx_mapping
     counts = at(table.cb0_counts, slot) if batch.cb0_penalty else None
     return draw_cb0_rows(table, batch, logits, slot, at(table.num_frames, slot), counts,

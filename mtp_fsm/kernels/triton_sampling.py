@@ -201,7 +201,7 @@ def sample_cb0_rows(logits_ptr, logits_stride, rows, rm, V, slot, frames, seed_p
                     PENALTY_AFTER: tl.constexpr):
     """CB0 of frame `frames` for the request in `slot` (logits row `rows`): its sampling
     columns, counter key and min_frames EOS suppression, the penalty's history in counts row
-    `counts_row` (`cb0_draw.draw_cb0_rows`, for plain rows and verify positions alike)."""
+    `counts_row` (`row_ops.draw_cb0_rows`, for plain rows and verify positions alike)."""
     seed = tl.load(seed_ptr + slot, mask=rm, other=0)
     key = row_key(seed, frames, seed * 0)
     suppress = frames < tl.load(minf_ptr + slot, mask=rm, other=0)
