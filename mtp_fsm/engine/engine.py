@@ -380,8 +380,7 @@ class LockstepEngine:
         # Selected in numpy (a torch index op costs more than the rows it moves): `packed` is
         # this step's own copy, the row view shares it, and fancy indexing copies again, so
         # FrameBatch and RowOutput never alias each other or an engine buffer.
-        row_ids = host.row_ids_np if host.row_ids_np is not None else np.array(host.row_ids, dtype=object)
-        ids = row_ids[valid if per_row == 1 else valid // per_row] if len(valid) else ()
+        ids = host.row_ids_np[valid if per_row == 1 else valid // per_row] if len(valid) else ()
         published = torch.from_numpy(frames_np[valid, OUT_CODES:])
         payload = self.spec.payload
         frames = FrameBatch(

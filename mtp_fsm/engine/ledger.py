@@ -38,6 +38,7 @@ class HostStep:
     batch: StepBatch
     row_records: list[RequestRecord | None]
     row_ids: tuple[str | None, ...]
+    row_ids_np: np.ndarray  # row_ids as an object array (the output's request ids)
     slots_np: np.ndarray  # slot per row (scratch for padding), host copy
     padding_np: np.ndarray
     all_real: bool  # no padding row (the common step)
@@ -46,7 +47,6 @@ class HostStep:
     preempted: tuple[str, ...] = ()
     query_start_loc: torch.Tensor | None = None  # host copy of batch.query_start_loc (shared: clone to publish)
     verify_np: np.ndarray | None = None  # speculative: rows that verify drafts (decode rows), else None
-    row_ids_np: np.ndarray | None = None  # row_ids as an object array (the output's request ids)
 
 
 class Ledger:
@@ -138,9 +138,9 @@ class Ledger:
             self._rows_steady)
         slots_np = rows.slots_np
         return HostStep(
-            committed.events, committed.admits, committed.replay, rows.batch, rows.records, rows.row_ids, slots_np,
-            rows.padding_np, rows.all_real, list(committed.ended), list(committed.admitted), tuple(plan.preempts),
-            rows.query_start_loc, self._verify_rows(slots_np), rows.row_ids_np,
+            committed.events, committed.admits, committed.replay, rows.batch, rows.records, rows.row_ids,
+            rows.row_ids_np, slots_np, rows.padding_np, rows.all_real, list(committed.ended), list(committed.admitted),
+            tuple(plan.preempts), rows.query_start_loc, self._verify_rows(slots_np),
         )
 
     # -- the plan's rows, checked against the request table (nothing changes but `_rows_steady`) --

@@ -105,19 +105,15 @@ class Scheduler:
         order = np.argsort(columns.serial[at], kind="stable")  # admission order
         aborts = tuple(rid for rid in self._aborts if rid in records and records[rid].state not in ledger.terminal_states)
         gone = set(aborts)
-        if live.all():  # the common step: every holder is live, none ended or resting
-            releases, resting = (), []
-            running = [i for i in order.tolist() if ids[i] not in gone] if gone else order.tolist()
-            free = ledger.table.max_slots - len(held)  # free slots: every slot not held by a request
-        else:
-            releases = tuple(ids[i] for i in np.flatnonzero(terminal).tolist() if ids[i] not in gone)
-            running = [i for i in order[live[order]].tolist() if ids[i] not in gone]
-            free = ledger.table.max_slots - int(holds.sum())
-            # Requests resting with a slot (starved: waiting for conditioning rows) are preempted
-            # first under pressure: they hold a slot and compute nothing.
-            resting = [i for i in order[(holds & ~live & ~terminal)[order]].tolist()
-                       if ids[i] not in gone and ledger.oracle.may(held[i], Trigger.PREEMPT)]
+        releases = tuple(ids[i] for i in np.flatnonzero(terminal).tolist() if ids[i] not in gone)
+        running = [i for i in order[live[order]].tolist() if ids[i] not in gone]
+        # Free slots, from the table just read: every slot not held by a request.
+        free = ledger.table.max_slots - int(holds.sum())
         free += len(releases) + sum(records[rid].slot is not None for rid in aborts)
+        # Requests resting with a slot (starved: waiting for conditioning rows) are preempted
+        # first under pressure: they hold a slot and compute nothing.
+        resting = [i for i in order[(holds & ~live & ~terminal)[order]].tolist()
+                   if ids[i] not in gone and ledger.oracle.may(held[i], Trigger.PREEMPT)]
         preempts = [ids[i] for i in (*running, *resting) if ids[i] in self._preempts]
         waiting_resumes = [rid for rid in self._preempted if rid not in gone and ledger.ready_to_resume(records[rid])]
         head = next(iter(ledger.queued), None)

@@ -74,9 +74,7 @@ def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: tor
     after-publish value keeps its value through the phase."""
     given = after_publish or {}
     after = {p: given.get(p, facts[p]) for p in PUBLISH_SENSITIVE if p in facts or p in given}
-    key = (tuple(facts), tuple(after))
-    # The layout's weights are built once; a dict hit costs no Python call (three phases a step).
-    weights, state_weight = lc.weights.get(key) or lc.phase_weights(*key)
+    weights, state_weight = lc.weights[tuple(facts), tuple(after)]
     # The masks stacked alone (one dtype: a mixed stack promotes at a cost), the state added.
     masks = torch.stack([owned, *facts.values(), *after.values()], dim=1)
     index = (masks * weights).sum(dim=1) + state * state_weight

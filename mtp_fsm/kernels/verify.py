@@ -69,9 +69,7 @@ def sample_positions(table: SlotTable, batch: StepBatch, verify: torch.Tensor, l
 
 def _phase_word(lc: DeviceLifecycle, owned: torch.Tensor, facts: dict, after: dict):
     """Each position's index into a phase table before the state is added, and the state's weight."""
-    key = (tuple(facts), tuple(after))
-    # The layout's weights are built once; a dict hit costs no Python call (three phases a step).
-    weights, state_weight = lc.weights.get(key) or lc.phase_weights(*key)
+    weights, state_weight = lc.weights[tuple(facts), tuple(after)]
     masks = torch.stack([owned, *facts.values(), *after.values()], dim=-1)
     return (masks * weights).sum(dim=-1), state_weight.to(torch.int64)
 

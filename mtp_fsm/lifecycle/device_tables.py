@@ -37,8 +37,9 @@ class DeviceLifecycle:
     phase_tables: dict[tuple[Phase, bool], tuple[torch.Tensor, ...]] = attrs.field(init=False)
     # CLASS_* bit -> bool [num_states]: whether each state is in that class (one gather per test).
     class_masks: dict[int, torch.Tensor] = attrs.field(init=False)
-    # (predicates, after) -> phase_weights' result: read directly by the executors' hot path.
-    weights: dict = attrs.field(init=False, factory=dict)
+    # (predicates, after) -> the index weights of a phase's columns (`phase_fold.phase_weights`),
+    # built on first lookup: a hit is a plain dict read, no Python call (three a step).
+    weights: dict = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         rules, device = self.rules.cpu(), self.rules.device
@@ -56,13 +57,7 @@ class DeviceLifecycle:
         object.__setattr__(self, "phase_tables", tables)
         masks = {bit: (self.state_class & bit) != 0 for bit in (CLASS_LIVE, CLASS_TERMINAL, CLASS_IN_STEP, CLASS_VACANT)}
         object.__setattr__(self, "class_masks", masks)
-
-    def phase_weights(self, predicates: tuple, after: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """The index weights of a phase's columns (`phase_fold.phase_weights`), built once per layout."""
-        key = (predicates, after)
-        if key not in self.weights:
-            self.weights[key] = phase_weights(predicates, after, self.rules.device)
-        return self.weights[key]
+        object.__setattr__(self, "weights", _WeightsByLayout(device))
 
     @property
     def num_states(self) -> int:
@@ -95,3 +90,15 @@ def stage_outcomes(rules: torch.Tensor, triggers: tuple[int, ...]) -> torch.Tens
         publishes = publishes | (fires & (rules[RULE_PUBLISHES, t][:, None] != 0))
     packed = dest | fired.long() * OUTCOME_FIRED | publishes.long() * OUTCOME_PUBLISHES
     return (packed | (reason << OUTCOME_REASON_SHIFT)).reshape(-1).to(torch.int32)
+
+
+class _WeightsByLayout(dict):
+    """(predicates, after) -> phase_weights(predicates, after) on one device, built when first read."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        value = self[key] = phase_weights(*key, self.device)
+        return value
