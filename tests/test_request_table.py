@@ -111,6 +111,7 @@ def test_debug_mode_refuses_a_move_no_stage_sequence_allows(monkeypatch):
     from mtp_fsm.engine import NewRequest
     from mtp_fsm.engine.debug_checks import reachable_in_a_step
     from mtp_fsm.errors import EngineInvariantError
+    from mtp_fsm.kernels.contract import OUT_STATE
     from mtp_fsm.lifecycle import State
     from mtp_fsm.testing.scripted import ScriptInputs
 
@@ -125,7 +126,7 @@ def test_debug_mode_refuses_a_move_no_stage_sequence_allows(monkeypatch):
     def rewinding(table, lc, batch, *args, **kwargs):  # a kernel bug: decoding rows jump back to waiting
         packed = original(table, lc, batch, *args, **kwargs)
         table.state[batch.idx_mapping] = int(State.WAITING)
-        packed[:, 2] = int(State.WAITING)
+        packed[:, OUT_STATE] = int(State.WAITING)
         return packed
     # engine.kernels is the backend module, shared by every engine: patched for this test only.
     monkeypatch.setattr(engine.kernels, "publish_frames", rewinding)

@@ -369,10 +369,10 @@ class LockstepEngine:
         # A speculative step packs k + 1 rows per step row (its verify positions, row-major);
         # the first carries the row's state after the step, every one the frame it published.
         frames_np = packed_np[:-1]
-        rows_np = frames_np[::per_row]
+        rows_np = frames_np if per_row == 1 else frames_np[::per_row]
         ended = self.ledger.observe(host, rows_np, self._explain_errors)
         is_frame = frames_np[:, OUT_VALID] == 1
-        valid = np.flatnonzero(is_frame)
+        valid = is_frame.nonzero()[0]
         if self.speculation is not None and host.verify_np is not None:
             accepted = self.speculation.record(host.verify_np, is_frame.reshape(-1, per_row))
             if self._drafts is not None:
@@ -380,11 +380,14 @@ class LockstepEngine:
         # Selected in numpy (a torch index op costs more than the rows it moves): `packed` is
         # this step's own copy, the row view shares it, and fancy indexing copies again, so
         # FrameBatch and RowOutput never alias each other or an engine buffer.
-        ids = host.row_ids_np[valid if per_row == 1 else valid // per_row] if len(valid) else ()
+        if len(valid) == len(host.row_ids) and per_row == 1:  # the common step: every row published
+            ids = host.row_ids
+        else:
+            ids = tuple(host.row_ids_np[valid if per_row == 1 else valid // per_row]) if len(valid) else ()
         published = torch.from_numpy(frames_np[valid, OUT_CODES:])
         payload = self.spec.payload
         frames = FrameBatch(
-            request_ids=tuple(ids),
+            request_ids=ids,
             frame_index=torch.from_numpy(frames_np[valid, OUT_FRAME_INDEX]),
             codes=published,
             payload=None if payload is None else payload.decode(published[:, self.spec.num_codebooks:]),

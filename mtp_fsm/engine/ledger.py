@@ -13,10 +13,12 @@ import torch
 
 from ..errors import DuplicateRequestError, PlanError, UnknownRequestError
 from ..kernels.contract import (
-    OUT_NUM_COMPUTED, OUT_NUM_FRAMES, OUT_REASON, OUT_STATE, ReplayFrames, StagedAdmits, StagedEvents,
+    OUT_CODES, OUT_REASON, OUT_STATE, ReplayFrames, StagedAdmits, StagedEvents,
     StepBatch,
 )
-from ..lifecycle import CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, CompiledLifecycle, FinishReason, Oracle, State, Trigger
+from ..lifecycle import (
+    CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, HOST_TRIGGERS, CompiledLifecycle, FinishReason, Oracle, State, Trigger,
+)
 from ..lifecycle.device_tables import RULE_DEST
 from ..model_api import TalkerModel
 from ..slots import SlotAllocator, SlotTable
@@ -25,7 +27,10 @@ from .plan import NewRequest, Span, StepPlan
 from .admission import Admission
 from .host_events import NO_EVENTS, HostEvents
 from .records import RequestRecord, RequestTable
-from .step_inputs import StepInputs
+from .step_inputs import LoadedRows, StepInputs
+
+_NO_IDS: frozenset[str] = frozenset()
+_NO_PREPARED: dict = {}  # read only
 
 
 @attrs.define
@@ -64,6 +69,12 @@ class Ledger:
         self._is_live = _class_lookup(self.live_states)
         self._is_terminal = _class_lookup(self.terminal_states)
         self._dest = compiled.rules[RULE_DEST].numpy()  # [trigger, state] -> state
+        # Every in-step edge that ends a request records a reason (true of every shipped
+        # lifecycle): then a step whose rows all read reason 0 ended none of them.
+        terminal = set(self.terminal_states)
+        self._ends_record_reason = all(
+            t.reason != FinishReason.NONE for t in oracle.spec.transitions
+            if t.trigger not in HOST_TRIGGERS and t.dest in terminal and not set(t.sources) <= terminal)
         # Where an admitted row starts: admission from the (one) vacant state.
         (vacant,) = compiled.states_in(CLASS_VACANT)
         self.vacant_state = int(vacant)
@@ -128,12 +139,12 @@ class Ledger:
             prepared = self.events.validate(plan)
             self._validate_rows(plan.rows, set(plan.aborts) | set(plan.preempts) | set(plan.releases), resuming,
                                 prepared)
-            committed = self.events.commit(plan, prepared)
+            committed, held = self.events.commit(plan, prepared), None
         else:  # the steady decode step: its rows alone
-            self._validate_rows(plan.rows, set(), set(), {})
+            held = self._validate_rows(plan.rows, _NO_IDS, _NO_IDS, _NO_PREPARED)
             committed = NO_EVENTS
         # The steady decode batch is held as loaded: no per-row Python, no upload.
-        rows = self.inputs.holds(plan.rows, self.generation) or self.inputs.load(
+        rows = held or self.inputs.holds(plan.rows, self.generation) or self.inputs.load(
             plan.rows, [None if s is None else self.records[s.request_id] for s in plan.rows], self.generation,
             self._rows_steady)
         slots_np = rows.slots_np
@@ -146,17 +157,18 @@ class Ledger:
     # -- the plan's rows, checked against the request table (nothing changes but `_rows_steady`) --
 
     def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], resuming: set[str],
-                       prepared: dict) -> None:
+                       prepared: dict) -> LoadedRows | None:
         """Rows of requests that already hold a slot are checked vectorised against the
         request table; anything else, or any row that fails, goes through the per-span check,
         which names the request and what is wrong. The steady decode batch (the rows the step
         inputs hold as loaded, in the same generation) is checked on arrays alone.
-        Sets `_rows_steady`: every row decodes or overruns and the plan has no host event."""
+        Sets `_rows_steady`: every row decodes or overruns and the plan has no host event.
+        Returns the step inputs' loaded rows when they are this steady batch, else None."""
         special = gone or resuming or prepared
         held = None if special else self.inputs.holds(rows, self.generation)
-        if held is not None and self._states_ok(held.slots_np, held.tokens_np):
+        if held is not None and self._states_ok(held.slots_np, held.tokens_np, held.all_real):
             self._rows_steady = True
-            return
+            return held
         self._rows_steady = False
         spans = [s for s in rows if s is not None]
         special = gone | resuming | prepared.keys()
@@ -187,9 +199,12 @@ class Ledger:
                 raise PlanError(span.request_id, None, "scheduled in two rows of one step")
             else:
                 seen.add(span.request_id)
+        return None
 
-    def _states_ok(self, slots: np.ndarray, tokens: np.ndarray) -> bool:
+    def _states_ok(self, slots: np.ndarray, tokens: np.ndarray, all_real: bool) -> bool:
         """Every real row (tokens > 0) is live with a decode row's width, or ended with one overrun token."""
+        if all_real and self._is_live[self.rows.state[slots]].all():  # the common step: every row decodes
+            return bool((tokens == self.decode_width).all())
         real = tokens > 0
         state = self.rows.state[slots[real]]
         live, terminal = self._is_live[state], self._is_terminal[state]
@@ -256,11 +271,11 @@ class Ledger:
                 return ended
             slots, out = host.slots_np[real], packed[real]
         rows = self.rows
+        if self._ends_record_reason and not out[:, OUT_REASON].any():  # the common step: no row has ended
+            rows.device_written[slots] = out[:, OUT_STATE:OUT_CODES]
+            return ended
         was_terminal = self._is_terminal[rows.state[slots]]
-        rows.state[slots] = out[:, OUT_STATE]
-        rows.num_frames[slots] = out[:, OUT_NUM_FRAMES]
-        rows.reason[slots] = out[:, OUT_REASON]
-        rows.num_computed[slots] = out[:, OUT_NUM_COMPUTED]
+        rows.device_written[slots] = out[:, OUT_STATE:OUT_CODES]
         now_terminal = self._is_terminal[packed[:, OUT_STATE]]
         if real is None:
             newly = np.flatnonzero(now_terminal & ~was_terminal)

@@ -14,6 +14,9 @@ _LABELS = tuple(s.label for s in State)
 _CODES = {s.label: int(s) for s in State}
 # The counters a row holds (its state too): per slot in the table, parked in the record when it holds none.
 COUNTERS = ("state", "serial", "prompt_len", "num_computed", "num_frames", "reason")
+# The columns each step's device output writes, in the packed output's order (contract.OUT_STATE
+# onwards): one block of the table, so `Ledger.observe` takes them in one assignment.
+DEVICE_WRITTEN = ("state", "reason", "num_frames", "num_computed")
 
 
 class RequestTable:
@@ -29,8 +32,13 @@ class RequestTable:
     A request without a slot (queued, preempted) keeps the same fields parked in its record."""
 
     def __init__(self, rows: int) -> None:
+        # [rows, len(DEVICE_WRITTEN)]: the device-written columns are views of this block.
+        self.device_written = np.zeros((rows, len(DEVICE_WRITTEN)), dtype=np.int64)
+        for i, name in enumerate(DEVICE_WRITTEN):
+            setattr(self, name, self.device_written[:, i])
         for name in COUNTERS:
-            setattr(self, name, np.zeros(rows, dtype=np.int64))
+            if name not in DEVICE_WRITTEN:
+                setattr(self, name, np.zeros(rows, dtype=np.int64))
 
 
 class _Counter:

@@ -11,7 +11,9 @@ import torch
 TextStep = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Layout of the packed per-row output every backend writes (one device-to-host copy per step).
-OUT_VALID, OUT_FRAME_INDEX, OUT_STATE, OUT_REASON, OUT_ERROR, OUT_NUM_FRAMES, OUT_NUM_COMPUTED, OUT_CODES = range(8)
+# OUT_STATE..OUT_CODES are the host request table's device-written columns in its own order
+# (records.DEVICE_WRITTEN), so the host takes them in one block assignment per step.
+OUT_VALID, OUT_FRAME_INDEX, OUT_ERROR, OUT_STATE, OUT_REASON, OUT_NUM_FRAMES, OUT_NUM_COMPUTED, OUT_CODES = range(8)
 
 
 @attrs.frozen

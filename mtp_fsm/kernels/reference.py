@@ -135,17 +135,17 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
     temperature, top_k, top_p = at(table.mtp_temperature, slot), at(table.mtp_top_k, slot), at(table.mtp_top_p, slot)
     seed, frame_index = at(table.seed, slot), at(table.num_frames, slot)
     key = frame_key(seed, frame_index)  # shared by the frame's Q-1 codebooks
-    drawn: dict[int, torch.Tensor | None] = {}  # vocab -> noise of codebooks 1..Q-1
-    kinds: list[tuple[int, torch.Tensor]] = []  # (codebook, fault kind [B]) in draw order
+    drawn: dict[int, tuple | None] = {}  # vocab -> noise of codebooks 1..Q-1, one tensor each
+    kinds: list[tuple[int, int, torch.Tensor]] = []  # (codebook, draw number, fault kind [B])
+    count = table.num_codebooks - 1
 
     def noise_for(codebook: int, vocab: int) -> torch.Tensor | None:
-        count = table.num_codebooks - 1
-        if vocab not in drawn:
+        block = drawn.get(vocab, False)
+        if block is False:
             # Decided by the table's size, never the step's row count, so a step's work
             # (and its op count) does not depend on how many rows it has.
             fits = count * (table.max_slots + 1) * vocab <= BATCHED_NOISE_ELEMENTS
-            drawn[vocab] = gumbel_noise_codebooks(key, 1, count, vocab) if fits else None
-        block = drawn[vocab]
+            block = drawn[vocab] = gumbel_noise_codebooks(key, 1, count, vocab).unbind(0) if fits else None
         return block[codebook - 1] if block is not None and 1 <= codebook <= count else None
 
     def sample(logits: torch.Tensor, codebook: int, params: SamplingParams | None = None) -> torch.Tensor:
@@ -161,20 +161,21 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
             logits, t, k, p, seed, frame_index, codebook, apply_filters=filters, key=key, top_k_max=k_max,
             any_top_p=any_p, top_k_min=k_min, noise=noise_for(codebook, logits.shape[-1]),
         )
-        kinds.append((int(codebook), kind))
+        kinds.append((int(codebook), len(kinds), kind))
         return tokens
 
     def fault_words() -> torch.Tensor:
-        # Once per frame, not per draw: the draws stacked in codebook order (a stable sort
-        # keeps the first of equal codebooks), the first bad one per row picked.
+        # Once per frame, not per draw: the draws stacked in codebook order (the draw number
+        # keeps the first of equal codebooks first; tensors are never compared), the first
+        # bad one per row picked.
         if not kinds:
             return torch.zeros(slot.shape, dtype=torch.int32, device=slot.device)
-        ordered = sorted(kinds, key=lambda drawn_kind: drawn_kind[0])
-        stacked = torch.stack([kind for _, kind in ordered])
+        codebooks, _, ordered = zip(*sorted(kinds))
+        stacked = torch.stack(ordered)
         zero = const(0, stacked.dtype, slot.device)
         first = (stacked != zero).to(torch.uint8).argmax(dim=0)
         kind = stacked.gather(0, first[None])[0]
-        shifted = _codebook_words(tuple(codebook for codebook, _ in ordered), slot.device).index_select(0, first)
+        shifted = _codebook_words(codebooks, slot.device).index_select(0, first)
         return torch.where(kind != zero, kind | shifted, zero)
 
     return sample, fault_words
@@ -260,5 +261,5 @@ def publish_frames(
     put(table.num_frames, slot, num_frames)
     reason, error = record(table, slot, result)
     # One int64 row per request (stack promotes the columns): the layout of contract.OUT_*.
-    columns = torch.stack([ready, frame_index, result.state, reason, error, num_frames, computed], dim=1)
+    columns = torch.stack([ready, frame_index, error, result.state, reason, num_frames, computed], dim=1)
     return torch.cat([columns, torch.where(ready_rows, codes, const(0, codes.dtype, device))], dim=1)

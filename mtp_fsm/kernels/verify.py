@@ -157,8 +157,8 @@ def verify_frames(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, verif
     table.cb0_counts.index_put_((slot[:, None].expand(rows, positions), cb0), published.to(table.cb0_counts.dtype),
                                 accumulate=True)
     # The packed rows: each position's frame, and the row's columns after the loop.
-    per_row = [final & 0xFF, torch.where(reason != 0, reason, old_reason), at(table.error, slot), first + count,
-               base + last[:, 0]]
+    per_row = [at(table.error, slot), final & 0xFF, torch.where(reason != 0, reason, old_reason), first + count,
+               base + last[:, 0]]  # the layout of contract.OUT_ERROR .. OUT_NUM_COMPUTED
     per_row = [c.to(torch.int64)[:, None].expand(rows, positions) for c in per_row]
     codes = torch.where(published, tokens, torch.zeros_like(tokens))
     packed = torch.stack([published.to(torch.int64), frame_index, *per_row, codes], dim=-1)
