@@ -5,7 +5,6 @@ and the model's entry points as it calls them (exceptions wrapped as ModelFault)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_NUM_COMPUTED, OUT_REASON, OUT_STATE, StepBatch
 from ..model_api import ColumnSpec, ModelSpec, TalkerModel
@@ -73,6 +72,8 @@ class DevicePipeline:
         self.format = frame_format(spec, lifecycle, kernels, table, device_lifecycle, mtp, device)
         self.speculative = speculative  # a SpeculativeStep (lifecycle with a verify loop), else None
         self._width = OUT_CODES + spec.frame_width
+        self._error_row = torch.zeros(1, self._width, dtype=torch.int64, device=device)
+        self._error_row[0, OUT_ERROR] = 1
         # The lifecycle's phase order, chosen once: no per-step branch on the variant.
         self._rows = speculative.run if speculative is not None else (
             self._deferred if lifecycle.deferred else self._current_step)
@@ -89,9 +90,9 @@ class DevicePipeline:
         else:
             packed = self._rows(batch)
         # A trailing row carries the table-wide sticky error, so a bad slot no row scheduled
-        # this step still surfaces in the same copy.
-        sticky = self.table.error[: self.table.max_slots].amax().to(torch.int64).view(1, 1)
-        return torch.cat([packed, F.pad(sticky, (OUT_ERROR, width - OUT_ERROR - 1))])
+        # this step still surfaces in the same copy (int64 one-hot x int32 bits promotes to int64).
+        sticky = self._error_row * self.table.error[: self.table.max_slots].amax()
+        return torch.cat([packed, sticky])
 
     def _backbone(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Compose, forward and sample CB0 (the sample-phase stages): (last hidden, cb0)."""
