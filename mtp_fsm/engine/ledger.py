@@ -271,7 +271,8 @@ class Ledger:
                 return ended
             slots, out = host.slots_np[real], packed[real]
         rows = self.rows
-        if self._ends_record_reason and not out[:, OUT_REASON].any():  # the common step: no row has ended
+        # The common step: no row has ended (count_nonzero is numpy's cheapest test at a few rows).
+        if self._ends_record_reason and not np.count_nonzero(out[:, OUT_REASON]):
             rows.device_written[slots] = out[:, OUT_STATE:OUT_CODES]
             return ended
         was_terminal = self._is_terminal[rows.state[slots]]
