@@ -73,5 +73,9 @@ class EngineInvariantError(MtpFsmError):
     """The device reported a broken invariant (sticky error column): a bug, never input."""
 
 
+class SchedulerStallError(MtpFsmError):
+    """Requests are waiting but nothing can be planned (no slot can ever free up)."""
+
+
 class KernelBackendError(MtpFsmError):
     """The requested kernel backend is not available on this machine."""

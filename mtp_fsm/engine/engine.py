@@ -2,45 +2,26 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
-from ..errors import ConfigurationError, EngineInvariantError, ModelBindingError, PlanTypeError
-from ..kernels import select_backend
+from ..errors import EngineInvariantError, PlanTypeError, SchedulerStallError
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_FRAME_INDEX, OUT_VALID
-from ..lifecycle import LifecycleCompileError, Oracle, Phase, compile_lifecycle, lifecycle_for
 from ..lifecycle.spec import LifecycleSpec
-from ..model_api import PreparedPrompt, TalkerModel, feed_columns
+from ..model_api import PreparedPrompt, TalkerModel
 from ..sampling import describe_fault
-from ..slots import SlotTable
-from .debug_checks import DebugChecks
-from .decode_graphs import DEFAULT_BUCKETS, DecodeGraphs, resolve_mode
-from .feed import ConditioningFeed
+from .assembly import assemble, unbind
+from .decode_graphs import DEFAULT_BUCKETS
+from .draft_policy import DraftPolicy
 from .generate import generate
-from .ledger import HostStep, Ledger
-from .pipeline import DevicePipeline, ModelFault, deferred_columns, frame_embed_of_words, model_call
+from .ledger import HostStep
+from .pipeline import ModelFault
 from .outputs import FrameBatch, Generation, RowOutput, StepOutput
 from .plan import NewRequest, StepPlan
-from .scheduler import Scheduler, SchedulerStallError, SchedulingPolicy, is_empty
-from .draft_policy import DraftController, DraftPolicy
-from .speculation import SpeculationStats, SpeculativeStep, check_speculation, draft_columns
-
-
-# model -> the live engine bound to it: a model's slot state (KV cache) belongs to one engine.
-_BOUND: "weakref.WeakKeyDictionary[TalkerModel, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
-def _bind(model: TalkerModel, engine: "LockstepEngine") -> None:
-    owner = _BOUND.get(model)
-    if owner is not None and owner() is not None and owner() is not engine:
-        raise ModelBindingError(
-            f"model {model.spec.name!r} ({type(model).__name__} at {id(model):#x}) is already bound to another live "
-            "engine, which owns its per-slot state (KV cache); build one model per engine, or close() the other"
-        )
-    _BOUND[model] = weakref.ref(engine)
+from .scheduler import is_empty
+from .scheduling_policy import SchedulingPolicy
 
 
 class LockstepEngine:
@@ -49,7 +30,8 @@ class LockstepEngine:
     A step has three public phases, which `step()` runs in order: `stage(plan)` validates
     and stages a StepPlan on the host (raising leaves everything as it was), `run_device`
     runs the device stages (kernels + model) with no host synchronisation, and `finish`
-    turns the step's one device-to-host copy into request-attributed frames.
+    turns the step's one device-to-host copy into request-attributed frames. Its parts are
+    checked and wired by `assembly.assemble`.
     """
 
     def __init__(
@@ -83,96 +65,20 @@ class LockstepEngine:
         slot table and every row's state move against the lifecycle's `transitions` machine
         (EngineInvariantError naming the request at the first disagreement; debug_checks.py).
         It reads the whole slot table back each step: for tests and bug hunts, not serving."""
-        if type(max_slots) is not int or max_slots < 1:
-            raise ConfigurationError(f"LockstepEngine: max_slots must be an int >= 1, got {max_slots!r}")
-        if not isinstance(model, TalkerModel):
-            raise ConfigurationError(f"LockstepEngine: model must be a mtp_fsm.model_api.TalkerModel, got "
-                                     f"{type(model).__name__}")
-        if policy is not None and not isinstance(policy, SchedulingPolicy):
-            raise ConfigurationError(f"LockstepEngine: policy must be a SchedulingPolicy, got {type(policy).__name__}")
-        policy = policy or SchedulingPolicy()
-        check_speculation(model, speculate, lifecycle, policy)
-        _bind(model, self)
-        self.model = model
-        self.spec = model.spec
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigurationError(f"LockstepEngine: device {device!r}: {exc}") from exc
-        self.speculate = speculate
-        self.lifecycle = lifecycle or lifecycle_for("speculative" if speculate else self.spec.lifecycle)
-        self.compiled = compile_lifecycle(self.lifecycle)
-        # A verify loop's MTP phase is the drafter (check_speculation), not an MTP hook.
-        if not self.lifecycle.verify_loop and bool(self.lifecycle.stages_of(Phase.MTP)) != self.spec.has_mtp:
-            has = "has an MTP hook" if self.spec.has_mtp else "has no MTP hook"
-            raise LifecycleCompileError(
-                f"model {self.spec.name!r} {has} but lifecycle {self.lifecycle.name!r} declares "
-                f"{len(self.lifecycle.stages_of(Phase.MTP))} MTP-phase stages"
-            )
-        for name, params in (("cb0", self.spec.cb0_sampling), ("mtp", self.spec.mtp_sampling)):
-            if params is not None and params.problems():
-                raise ModelBindingError(f"model {self.spec.name!r}: its fixed {name} sampling: "
-                                        + "; ".join(params.problems()))
-        self._lc = self.compiled.to(self.device)
-        self.kernels = select_backend(kernels, self.device)
-        self.table = SlotTable.allocate(max_slots, self.spec, self.device, {
-            **model.slot_columns(), **feed_columns(self.spec), **deferred_columns(self.spec, self.lifecycle),
-            **draft_columns(self.lifecycle, speculate)})
-        # Host events fire through the spec's machine on the records, i.e. on the request table.
-        self.oracle = Oracle(self.lifecycle, model_attribute="label")
-        self.ledger = Ledger(model, self.table, self.oracle, self.compiled, decode_width=1 + speculate)
-        self.scheduler = Scheduler(self.ledger, policy)
-        self.feeds = ConditioningFeed(self.ledger, self.kernels, self._lc)
-        model.bind_slots(max_slots, self.device, self.table.extra)
-        self._forward = model_call(model, "forward")
-        self._cb0_logits = model_call(model, "cb0_logits")
-        self._mtp = model_call(model, "mtp") if self.spec.has_mtp else None
-        self._frame_embed = frame_embed_of_words(model_call(model, "frame_embed"), self.spec)
-        self._text_step = model_call(model, "text_step")
-        self._reset_slots = model_call(model, "reset_slots")
-        self._allowed = self._cb0_allowed()
-        speculative = None
-        if self.lifecycle.verify_loop:
-            speculative = SpeculativeStep(
-                self.spec, self.kernels, self.table, self._lc,
-                (self._forward, self._cb0_logits, model_call(model, "draft"), self._frame_embed, self._text_step),
-                self._allowed, speculate)
-        self._pipeline = DevicePipeline(
-            self.spec, self.lifecycle, self.kernels, self.table, self._lc,
-            (self._forward, self._cb0_logits, self._mtp, self._frame_embed, self._text_step), self._allowed, self.device,
-            speculative,
-        )
-        mode = resolve_mode(decode_graphs, self.device, self.kernels, 1 + speculate)
-        self.graphs = None if mode == "off" else DecodeGraphs(
-            mode, graph_buckets, self.table.max_slots, self.device, self._pipeline.run, strict=decode_graphs == "cuda",
-            variant=(lambda: speculative.propose) if speculative is not None else None)
-        self.step_count = 0
-        self._debug = DebugChecks(self) if debug else None
-        # Speculative engines: drafts proposed / accepted, frames per verify row.
-        self.speculation = SpeculationStats(speculate) if speculative is not None else None
-        self._drafts = DraftController(draft_policy or DraftPolicy(), speculate) if speculate else None
-        if self._drafts is not None:
-            self._drafts.apply(speculative, self.ledger)
+        assemble(self, model, max_slots, device=device, kernels=kernels, lifecycle=lifecycle, policy=policy,
+                 speculate=speculate, draft_policy=draft_policy, decode_graphs=decode_graphs,
+                 graph_buckets=graph_buckets, debug=debug)
 
     @property
     def decode_width(self) -> int:
         """Tokens a decode row must have in the next step: 1, or 1 + the drafts it verifies."""
         return self.ledger.decode_width
 
-    def _cb0_allowed(self) -> torch.Tensor:
-        # CB0 may be any codec id or the codec EOS; other specials of the backbone head are not frames.
-        allowed = torch.zeros(self.spec.backbone_vocab_size, dtype=torch.bool)
-        allowed[: self.spec.codebook_size] = True
-        if self.spec.eos_token_id is not None:
-            allowed[self.spec.eos_token_id] = True
-        return allowed.to(self.device)
-
     # -- public API ---------------------------------------------------------------------
 
     def close(self) -> None:
         """Unbind the model so another engine may use it (this engine must not step again)."""
-        if _BOUND.get(self.model) is not None and _BOUND[self.model]() is self:
-            del _BOUND[self.model]
+        unbind(self.model, self)
 
     @property
     def max_slots(self) -> int:
@@ -266,8 +172,10 @@ class LockstepEngine:
         host = self.stage(plan)
         try:
             packed = self.run_device(host)
-        except ModelFault as fault:
-            output = self._fail_step(host, fault.__cause__ or fault)
+        except ModelFault as fault:  # the step's requests end with reason error (host_events)
+            output = self.ledger.events.fail_step(host, self.step_count, fault.__cause__ or fault, self.kernels,
+                                                  self._lc)
+            self.step_count += 1
         else:
             output = self.finish(host, packed)
         self.scheduler.update(plan, output)
@@ -329,24 +237,6 @@ class LockstepEngine:
     def _run_rows(self, host: HostStep) -> torch.Tensor:
         """Stages 2-5 over the step's rows; returns the packed output (+ a global error row)."""
         return self._pipeline.run(host.batch)
-
-    def _fail_step(self, host: HostStep, exc: BaseException) -> StepOutput:
-        """A model exception mid-step: the step's requests end with reason error (host_events)."""
-        ended = self.ledger.events.fail_step(host, f"model raised during step {self.step_count}: {exc!r}",
-                                             self.kernels, self._lc)
-        self.step_count += 1
-        rows = len(host.row_ids)
-        return StepOutput(
-            self.step_count - 1,
-            FrameBatch.empty(self.spec.frame_width),
-            tuple(host.ended) + tuple(ended),
-            RowOutput(
-                host.row_ids, host.query_start_loc.clone(), torch.zeros(rows, dtype=torch.bool),
-                torch.zeros(rows, self.spec.frame_width, dtype=torch.int64),
-            ),
-            host.batch.num_tokens,
-            host.preempted,
-        )
 
     # -- host side ----------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """A step's host events (release, abort, preempt, resume, admit): validated all-or-nothing through
 the lifecycle's `transitions` machine, committed on the request table, staged for the device;
-and a failed step's rows, ended like a client abort. A steady decode step has none of these."""
+and a failed step's rows, ended like a client abort, with its output. A steady decode step has
+none of these."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..lifecycle import FinishReason, Trigger
 from ..model_api import ModelSpec
 from ..slots import SlotTable
 from .admission import resolved
-from .outputs import FinishedRequest
+from .outputs import FinishedRequest, FrameBatch, RowOutput, StepOutput
 from .plan import StepPlan
 from .records import RequestRecord
 
@@ -169,11 +170,12 @@ class HostEvents:
         record.detach(self.ledger.vacant_state)
         record.serial = 0
 
-    def fail_step(self, host: "HostStep", detail: str, kernels, lc) -> list[FinishedRequest]:
-        """A step whose model raised: `fail_rows` on the host, then the device rows rolled back
-        to their state at the step boundary (the request table's) and aborted and released
-        through the transition table, like a client abort. Returns the requests it ended."""
-        slots, before, ended = self.fail_rows(host, detail)
+    def fail_step(self, host: "HostStep", step: int, exc: BaseException, kernels, lc) -> StepOutput:
+        """Step `step`, whose model raised `exc`: `fail_rows` on the host, then the device rows
+        rolled back to their state at the step boundary (the request table's) and aborted and
+        released through the transition table, like a client abort. Returns the step's output:
+        no frame, every row invalid, the boundary's aborts and then the requests it ended."""
+        slots, before, ended = self.fail_rows(host, f"model raised during step {step}: {exc!r}")
         if slots:
             table = self.ledger.table
             index = torch.tensor(slots, dtype=torch.int64, device=table.device)
@@ -184,7 +186,18 @@ class HostEvents:
                              device=table.device),
                 torch.full((len(slots),), int(FinishReason.ERROR), dtype=torch.int32, device=table.device),
             ))
-        return ended
+        rows, width = len(host.row_ids), self.ledger.spec.frame_width
+        return StepOutput(
+            step,
+            FrameBatch.empty(width),
+            tuple(host.ended) + tuple(ended),
+            RowOutput(
+                host.row_ids, host.query_start_loc.clone(), torch.zeros(rows, dtype=torch.bool),
+                torch.zeros(rows, width, dtype=torch.int64),
+            ),
+            host.batch.num_tokens,
+            host.preempted,
+        )
 
     def fail_rows(self, host: "HostStep", detail: str) -> tuple[list[int], list[int], list[FinishedRequest]]:
         """A step whose model raised: its scheduled and newly admitted live requests end

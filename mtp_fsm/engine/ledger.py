@@ -1,7 +1,7 @@
-"""The host ledger: owns the request table, the records viewing it and the queue; stages a
-StepPlan all-or-nothing (its host events through `host_events`, its rows checked here against
-the table, vectorised, and loaded by `step_inputs`) and writes the step's device output into
-the table."""
+"""The host ledger: owns the request table, the records viewing it and the queue (its `registry`
+side); stages a StepPlan all-or-nothing (its host events through `host_events`, its rows checked
+against the table, here on arrays for the steady decode batch, else by `row_checks`, and loaded
+by `step_inputs`) and writes the step's device output into the table."""
 
 from __future__ import annotations
 
@@ -11,22 +11,19 @@ import attrs
 import numpy as np
 import torch
 
-from ..errors import DuplicateRequestError, PlanError, UnknownRequestError
 from ..kernels.contract import (
     OUT_CODES, OUT_REASON, OUT_STATE, ReplayFrames, StagedAdmits, StagedEvents,
     StepBatch,
 )
-from ..lifecycle import (
-    CLASS_LIVE, CLASS_TERMINAL, CLASS_VACANT, HOST_TRIGGERS, CompiledLifecycle, FinishReason, Oracle, State, Trigger,
-)
-from ..lifecycle.device_tables import RULE_DEST
+from ..lifecycle import HOST_TRIGGERS, CompiledLifecycle, FinishReason, Oracle
 from ..model_api import TalkerModel
-from ..slots import SlotAllocator, SlotTable
+from ..slots import SlotTable
 from .outputs import FinishedRequest
-from .plan import NewRequest, Span, StepPlan
-from .admission import Admission
+from .plan import Span, StepPlan
 from .host_events import NO_EVENTS, HostEvents
-from .records import RequestRecord, RequestTable
+from .records import RequestRecord
+from .registry import RequestRegistry
+from .row_checks import check_rows
 from .step_inputs import LoadedRows, StepInputs
 
 _NO_IDS: frozenset[str] = frozenset()
@@ -54,83 +51,27 @@ class HostStep:
     verify_np: np.ndarray | None = None  # speculative: rows that verify drafts (decode rows), else None
 
 
-class Ledger:
+class Ledger(RequestRegistry):
     """Host truth about requests: the request table (per-slot columns, refreshed from each
-    step's single output copy) and the records viewing it, slot ownership, the queue."""
+    step's single output copy) and the records viewing it, slot ownership, the queue (its
+    `registry` side); stages each step's plan and writes the step's output back."""
 
     def __init__(self, model: TalkerModel, table: SlotTable, oracle: Oracle, compiled: CompiledLifecycle,
                  decode_width: int = 1) -> None:
-        self.model, self.table, self.oracle, self.compiled = model, table, oracle, compiled
+        super().__init__(model, table, compiled, deferred=oracle.spec.deferred)
+        self.oracle = oracle
         # Tokens of a decode row: 1, or 1 + k drafts under speculative decoding.
         self.decode_width = decode_width
-        self.live_states = compiled.states_in(CLASS_LIVE)
-        self.terminal_states = compiled.states_in(CLASS_TERMINAL)
-        # Per state code: live / terminal (a lookup, not np.isin, which costs tens of µs a call).
-        self._is_live = _class_lookup(self.live_states)
-        self._is_terminal = _class_lookup(self.terminal_states)
-        self._dest = compiled.rules[RULE_DEST].numpy()  # [trigger, state] -> state
         # Every in-step edge that ends a request records a reason (true of every shipped
         # lifecycle): then a step whose rows all read reason 0 ended none of them.
         terminal = set(self.terminal_states)
         self._ends_record_reason = all(
             t.reason != FinishReason.NONE for t in oracle.spec.transitions
             if t.trigger not in HOST_TRIGGERS and t.dest in terminal and not set(t.sources) <= terminal)
-        # Where an admitted row starts: admission from the (one) vacant state.
-        (vacant,) = compiled.states_in(CLASS_VACANT)
-        self.vacant_state = int(vacant)
-        self._admitted_state = State(self._dest[Trigger.ADMIT, vacant])
-        self.spec = model.spec
-        self.allocator = SlotAllocator(table.max_slots)
-        self.records: dict[str, RequestRecord] = {}
-        self.next_serial = 1  # serials are never reused: a stale row cannot pass the identity guard
-        self.admission = Admission(model, deferred=oracle.spec.deferred)
         # The rows each step hands the device, in persistent buffers (one upload per step).
         self.inputs = StepInputs(table.max_slots, self.spec, table.device, decode_width)
-        self.queued: dict[str, RequestRecord] = {}  # enqueued, not yet admitted (state free, no slot)
-        # The one owner of every request's state and counters on the host (records view it).
-        self.rows = RequestTable(table.max_slots + 1)
-        # Bumped whenever a request gains or loses a record or a slot: rows held as loaded by
-        # the step inputs are the steady batch (checked on arrays) only within one generation.
-        self.generation = 0
         self._rows_steady = False  # set by validation: the plan's rows may be reused as loaded
         self.events = HostEvents(self)
-
-    def record(self, request_id: str, what: str) -> RequestRecord:
-        """The record of a known request; UnknownRequestError saying what was attempted."""
-        record = self.records.get(request_id) or self.queued.get(request_id)
-        if record is None:
-            raise UnknownRequestError(request_id, what)
-        return record
-
-    def all_records(self):
-        """(request id, record) for every request the engine holds, queued ones last."""
-        return [*self.records.items(), *self.queued.items()]
-
-    # -- requests queued by the engine's built-in policy ----------------------------------
-
-    def enqueue(self, req: NewRequest) -> RequestRecord:
-        """Validate a request now and hold its record (state free, no slot) until a plan admits it."""
-        rid = req.request_id
-        if rid in self.records or rid in self.queued:
-            known = self.records.get(rid) or self.queued[rid]
-            raise DuplicateRequestError(rid, "a request with this id is already in the engine", known.state.label)
-        record = RequestRecord(req, self.rows, self.admission.admissible(req))
-        self.queued[rid] = record
-        return record
-
-    def drop_queued(self, request_id: str) -> RequestRecord | None:
-        record = self.queued.pop(request_id, None)
-        if record is not None:
-            self.admission.forget(record.request)
-        return record
-
-    def ready_to_resume(self, record: RequestRecord) -> bool:
-        """A resume replays the published frames with their text steps: with a conditioning
-        feed, every row they read must have arrived."""
-        return not self.spec.has_feed or record.num_frames == 0 or record.has_feed_row(record.num_frames - 1)
-
-    def resume_prompt_len(self, record: RequestRecord) -> int:
-        return record.base_prompt_len + record.num_frames
 
     def stage(self, plan: StepPlan) -> HostStep:
         """Validate the whole plan (raising leaves everything as it was), then commit it."""
@@ -158,47 +99,16 @@ class Ledger:
 
     def _validate_rows(self, rows: tuple[Span | None, ...], gone: set[str], resuming: set[str],
                        prepared: dict) -> LoadedRows | None:
-        """Rows of requests that already hold a slot are checked vectorised against the
-        request table; anything else, or any row that fails, goes through the per-span check,
-        which names the request and what is wrong. The steady decode batch (the rows the step
-        inputs hold as loaded, in the same generation) is checked on arrays alone.
+        """The steady decode batch (the rows the step inputs hold as loaded, in the same
+        generation, with no host event) is checked on arrays alone; any other rows go through
+        `row_checks`, which names the request and what is wrong.
         Sets `_rows_steady`: every row decodes or overruns and the plan has no host event.
         Returns the step inputs' loaded rows when they are this steady batch, else None."""
-        special = gone or resuming or prepared
-        held = None if special else self.inputs.holds(rows, self.generation)
+        held = None if gone or resuming or prepared else self.inputs.holds(rows, self.generation)
         if held is not None and self._states_ok(held.slots_np, held.tokens_np, held.all_real):
             self._rows_steady = True
             return held
-        self._rows_steady = False
-        spans = [s for s in rows if s is not None]
-        special = gone | resuming | prepared.keys()
-        records = [self.records.get(s.request_id) for s in spans]
-        simple = [
-            i for i, (s, r) in enumerate(zip(spans, records))
-            if r is not None and r.slot is not None and s.request_id not in special and type(s.num_tokens) is int
-        ]
-        bad: set[int] = set(range(len(spans))) - set(simple)
-        if simple:
-            slots = np.fromiter((records[i].slot for i in simple), np.int64, len(simple))
-            tokens = np.fromiter((spans[i].num_tokens for i in simple), np.int64, len(simple))
-            remaining = self.rows.prompt_len[slots] - self.rows.num_computed[slots]
-            state = self.rows.state[slots]
-            live, terminal = self._is_live[state], self._is_terminal[state]
-            wrong = (tokens < 1) | (~live & ~terminal)
-            wrong |= live & np.where(remaining > 0, tokens > remaining, tokens != self.decode_width)
-            wrong |= terminal & (tokens != 1)
-            bad.update(simple[i] for i in np.flatnonzero(wrong))
-            if len(np.unique(slots)) != len(slots):
-                bad.update(simple)  # a request in two rows: let the slow path name it
-            self._rows_steady = not bad and not special and bool((remaining <= 0).all())
-        seen: set[str] = set()
-        for i, span in enumerate(spans):
-            if i in bad:
-                self._validate_span(span, gone, resuming, seen, prepared)
-            elif span.request_id in seen:
-                raise PlanError(span.request_id, None, "scheduled in two rows of one step")
-            else:
-                seen.add(span.request_id)
+        self._rows_steady = check_rows(self, rows, gone, resuming, prepared)
         return None
 
     def _states_ok(self, slots: np.ndarray, tokens: np.ndarray, all_real: bool) -> bool:
@@ -209,40 +119,6 @@ class Ledger:
         state = self.rows.state[slots[real]]
         live, terminal = self._is_live[state], self._is_terminal[state]
         return bool(np.all(np.where(live, tokens[real] == self.decode_width, terminal & (tokens[real] == 1))))
-
-    def _validate_span(self, span: Span, gone: set[str], resuming: set[str], seen: set[str],
-                       prepared: dict) -> None:
-        rid = span.request_id
-        record = self.records.get(rid)
-        if rid in seen:
-            raise PlanError(rid, None, "scheduled in two rows of one step")
-        seen.add(rid)
-        if rid in prepared:  # admitted by this very plan
-            state, remaining = self._admitted_state, int(prepared[rid].prompt_embeds.shape[0])
-        elif record is None:
-            raise PlanError(rid, None, "scheduled but not in the engine (never admitted, or already released or aborted)")
-        elif rid in gone or (record.slot is None and rid not in resuming):
-            raise PlanError(rid, record.state.label, "scheduled but it holds no slot in this step")
-        else:
-            state = State(self._dest[Trigger.RESUME, record.state]) if rid in resuming else record.state
-            remaining = self.resume_prompt_len(record) if rid in resuming else record.prompt_len - record.num_computed
-        if type(span.num_tokens) is not int or span.num_tokens < 1:
-            raise PlanError(rid, state.label, f"a span needs >= 1 token, got {span.num_tokens!r}")
-        if state in self.live_states:
-            if remaining > 0 and span.num_tokens > remaining:
-                raise PlanError(rid, state.label, f"span of {span.num_tokens} tokens exceeds the {remaining} prompt tokens left")
-            if remaining <= 0 and span.num_tokens != self.decode_width:
-                what = "1 token" if self.decode_width == 1 else f"{self.decode_width} tokens (its last and the drafts)"
-                raise PlanError(rid, state.label, f"a decode row takes exactly {what}, got {span.num_tokens}")
-        elif state in self.terminal_states:  # a legal overrun (async scheduling): one token, like decode
-            if span.num_tokens != 1:
-                raise PlanError(rid, state.label, f"an overrun row of an ended request takes exactly 1 token, "
-                                f"got {span.num_tokens}")
-        elif state is State.STARVED:
-            raise PlanError(rid, state.label, f"waits for conditioning row {max(record.num_frames - 1, 0)} "
-                            "(engine.feed); it cannot be scheduled until it arrives")
-        else:
-            raise PlanError(rid, state.label, "cannot be scheduled in this state")
 
     def _verify_rows(self, slots: np.ndarray) -> np.ndarray | None:
         """The rows that verify drafts (a speculative lifecycle's decode rows: live, prompt
@@ -289,13 +165,6 @@ class Ledger:
             detail = next(details, "") if record.finish_reason is FinishReason.ERROR else ""
             ended.append(FinishedRequest(record.request_id, record.finish_reason, record.num_frames, detail))
         return ended
-
-
-def _class_lookup(states) -> np.ndarray:
-    """bool per state code (every code a slot-state byte can hold): member of `states`."""
-    lookup = np.zeros(256, dtype=bool)
-    lookup[[int(s) for s in states]] = True
-    return lookup
 
 
 def _scatter(mask: np.ndarray, values: np.ndarray) -> np.ndarray:

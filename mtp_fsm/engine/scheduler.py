@@ -1,93 +1,41 @@
-"""The built-in scheduling policy: FCFS admission, a token budget with chunked prefill, preemption."""
+"""The built-in scheduling policy: FCFS admission, a token budget with chunked prefill, preemption
+(its knobs: `scheduling_policy`)."""
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 
-from ..errors import ConfigurationError, MtpFsmError
+from ..errors import SchedulerStallError  # re-exported (with SchedulingPolicy) where callers found them
 from ..lifecycle import Trigger
+from .client_requests import ClientRequests
 from .ledger import Ledger
 from .outputs import StepOutput
 from .plan import NewRequest, Span, StepPlan
 from .records import RequestRecord
+from .scheduling_policy import SchedulingPolicy
 
 
-class SchedulerStallError(MtpFsmError):
-    """Requests are waiting but nothing can be planned (no slot can ever free up)."""
-
-
-def _positive(_, attribute, value) -> None:
-    if type(value) is not int or value < 1:
-        raise ConfigurationError(f"SchedulingPolicy: {attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _none_or_non_negative(_, attribute, value) -> None:
-    if value is not None and (type(value) is not int or value < 0):
-        raise ConfigurationError(f"SchedulingPolicy: {attribute.name} must be None or an int >= 0, got {value!r}")
-
-
-@attrs.frozen
-class SchedulingPolicy:
-    """Knobs of the built-in policy. With preempt_after_steps=N, a queue head blocked for
-    lack of a slot for more than N consecutive steps preempts the most recently admitted
-    running request (recompute-style: it re-prefills its prompt plus published frames)."""
-
-    token_budget: int = attrs.field(default=512, validator=_positive)
-    prefill_chunk: int = attrs.field(default=256, validator=_positive)
-    preempt_after_steps: int | None = attrs.field(default=None, validator=_none_or_non_negative)
-
-
-class Scheduler:
+class Scheduler(ClientRequests):
     """vLLM-style: decode rows first (1 token each, 1 + k when speculating), then prefill chunks, then resumes of
     preempted requests (oldest first), then new admissions, all under one token budget.
 
-    Holds only policy state (pending client aborts and preemptions, preemption order, how
-    long the queue head has waited); every fact about a request is read from its one host
-    record in the ledger. schedule() changes no request; update() commits a step's plan.
+    Holds only policy state (pending client aborts and preemptions and the preemption order,
+    its `client_requests` side; how long the queue head has waited); every fact about a
+    request is read from its one host record in the ledger. schedule() changes no request;
+    update() commits a step's plan.
     """
 
     def __init__(self, ledger: Ledger, policy: SchedulingPolicy) -> None:
-        self.ledger, self.policy = ledger, policy
-        self._aborts: dict[str, None] = {}  # ordered sets
-        self._preempts: dict[str, None] = {}
-        self._preempted: list[str] = []  # resumed in this order
+        super().__init__(ledger)
+        self.policy = policy
         self._wait_head: str | None = None
         self._head_wait = 0
         self._planned: tuple[StepPlan, str | None] | None = None  # last plan built, and its blocked head
         self.num_preemptions = 0
 
-    # -- client side ---------------------------------------------------------------------
-
-    def abort(self, request_id: str) -> str:
-        """'dropped' (was queued: gone now), 'scheduled' (the next plan aborts it) or
-        'ignored' (already ended, already aborting, or unknown)."""
-        if self.ledger.drop_queued(request_id) is not None:
-            return "dropped"
-        record = self.ledger.records.get(request_id)
-        if record is None or request_id in self._aborts or record.state in self.ledger.terminal_states:
-            return "ignored"
-        self._aborts[request_id] = None
-        return "scheduled"
-
-    def preempt(self, request_id: str) -> bool:
-        """Preempt a request holding a slot in the next plan (e.g. memory pressure seen by the
-        caller): a running one, or one the lifecycle lets rest preempted (a starved one)."""
-        record = self.ledger.records.get(request_id)
-        if record is None or record.slot is None or request_id in self._aborts:
-            return False
-        if not self.ledger.oracle.may(record, Trigger.PREEMPT):
-            return False
-        self._preempts[request_id] = None
-        return True
-
     @property
     def idle(self) -> bool:
         return not self.ledger.queued and not self.ledger.records and not self._aborts
-
-    @property
-    def num_preempted(self) -> int:
-        return len(self._preempted)
 
     # -- planning ------------------------------------------------------------------------
 
