@@ -132,3 +132,17 @@ def test_debug_mode_refuses_a_move_no_stage_sequence_allows(monkeypatch):
     monkeypatch.setattr(engine.kernels, "publish_frames", rewinding)
     with pytest.raises(EngineInvariantError, match="'r' moved 'decoding' -> 'waiting'"):
         engine.step()
+
+
+def test_device_written_block_is_the_packed_output_layout():
+    """Ledger.observe takes the output's OUT_STATE..OUT_CODES columns into the request table's
+    device-written block in one assignment: the two orders must be the same."""
+    from mtp_fsm.engine.records import DEVICE_WRITTEN, RequestTable
+    from mtp_fsm.kernels import contract
+
+    layout = {name: getattr(contract, f"OUT_{name.upper()}") for name in DEVICE_WRITTEN}
+    assert list(layout.values()) == list(range(contract.OUT_STATE, contract.OUT_CODES))
+    table = RequestTable(3)
+    for i, name in enumerate(DEVICE_WRITTEN):  # each column a view of its block column
+        getattr(table, name)[1] = 10 + i
+    assert table.device_written[1].tolist() == [10 + i for i in range(len(DEVICE_WRITTEN))]
