@@ -10,6 +10,7 @@ op), which measured about half the cost of each such op on the CPU.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -29,19 +30,13 @@ class PhaseResult(NamedTuple):
     stuck: torch.Tensor  # bool: a total stage moved nothing, or the row rests in an in-step state
 
 
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def const(value: int | float | bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A constant operand as a cached 0-dim device tensor (made before any graph capture: the
-    engine's warm-up step runs every stage). Under torch.compile a graph constant instead."""
-    if torch.compiler.is_compiling():
-        return torch.tensor(value, dtype=dtype, device=device)
-    key = (value, dtype, device)
-    cached = _CONSTANTS.get(key)
-    if cached is None:
-        cached = _CONSTANTS[key] = torch.tensor(value, dtype=dtype, device=device)
-    return cached
+    engine's warm-up step runs every stage). The cache is functools' C one: a hit runs no
+    Python frame. Under torch.compile dynamo traces the wrapped function, so the constant is
+    the graph's own."""
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 def at(column: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
