@@ -5,6 +5,7 @@ by `step_inputs`) and writes the step's device output into the table."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Callable
 
 import attrs
@@ -27,28 +28,54 @@ from .row_checks import check_rows
 from .step_inputs import LoadedRows, StepInputs
 
 _NO_IDS: frozenset[str] = frozenset()
-_NO_PREPARED: dict = {}  # read only
+_NO_PREPARED = MappingProxyType({})  # the steady step admits nothing
 
 
 @attrs.define
 class HostStep:
-    """A validated, committed plan: what the device stages receive, and host bookkeeping."""
+    """A validated, committed plan: what the device stages receive, and host bookkeeping.
+    Its rows are the step inputs' loaded rows (their views below), never a copy of them."""
 
     events: StagedEvents | None
     admits: StagedAdmits | None
     replay: ReplayFrames | None
-    batch: StepBatch
-    row_records: list[RequestRecord | None]
-    row_ids: tuple[str | None, ...]
-    row_ids_np: np.ndarray  # row_ids as an object array (the output's request ids)
-    slots_np: np.ndarray  # slot per row (scratch for padding), host copy
-    padding_np: np.ndarray
-    all_real: bool  # no padding row (the common step)
+    rows: LoadedRows
     ended: list[FinishedRequest]  # aborts applied at this boundary
     admitted: list[RequestRecord]  # new and resumed requests given a slot at this boundary
     preempted: tuple[str, ...] = ()
-    query_start_loc: torch.Tensor | None = None  # host copy of batch.query_start_loc (shared: clone to publish)
     verify_np: np.ndarray | None = None  # speculative: rows that verify drafts (decode rows), else None
+
+    @property
+    def batch(self) -> StepBatch:
+        return self.rows.batch
+
+    @property
+    def row_records(self) -> list[RequestRecord | None]:
+        return self.rows.records
+
+    @property
+    def row_ids(self) -> tuple[str | None, ...]:
+        return self.rows.row_ids
+
+    @property
+    def row_ids_np(self) -> np.ndarray:
+        return self.rows.row_ids_np
+
+    @property
+    def slots_np(self) -> np.ndarray:
+        return self.rows.slots_np
+
+    @property
+    def padding_np(self) -> np.ndarray:
+        return self.rows.padding_np
+
+    @property
+    def all_real(self) -> bool:
+        return self.rows.all_real
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        return self.rows.query_start_loc
 
 
 class Ledger(RequestRegistry):
@@ -88,12 +115,8 @@ class Ledger(RequestRegistry):
         rows = held or self.inputs.holds(plan.rows, self.generation) or self.inputs.load(
             plan.rows, [None if s is None else self.records[s.request_id] for s in plan.rows], self.generation,
             self._rows_steady)
-        slots_np = rows.slots_np
-        return HostStep(
-            committed.events, committed.admits, committed.replay, rows.batch, rows.records, rows.row_ids,
-            rows.row_ids_np, slots_np, rows.padding_np, rows.all_real, list(committed.ended), list(committed.admitted),
-            tuple(plan.preempts), rows.query_start_loc, self._verify_rows(slots_np),
-        )
+        return HostStep(committed.events, committed.admits, committed.replay, rows, list(committed.ended),
+                        list(committed.admitted), tuple(plan.preempts), self._verify_rows(rows.slots_np))
 
     # -- the plan's rows, checked against the request table (nothing changes but `_rows_steady`) --
 

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import EngineInvariantError
 from ..kernels.contract import OUT_CODES, OUT_ERROR, OUT_NUM_COMPUTED, OUT_REASON, OUT_STATE, StepBatch
+from ..kernels.row_ops import owned_rows
 from ..lifecycle import Predicate
 from ..model_api import ColumnSpec, FrameDraws, ModelSpec, MtpResult, TalkerModel
 from ..sampling.delay_pattern import DelayRows, banned_ids
@@ -134,7 +135,7 @@ class DevicePipeline:
         hidden, cb0 = self._backbone(batch)
         # Only rows that own their slot write its cache (a stale row is flagged by the kernels and
         # must not clobber the owner's); rows that did not sample leave values no edge reads.
-        owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
+        owned = owned_rows(table, batch)
         cache_h, cache_cb0 = table.extra[DEFERRED_HIDDEN], table.extra[DEFERRED_CB0]
         cache_h[slot] = torch.where(owned[:, None], hidden.to(cache_h.dtype), cached_hidden)
         cache_cb0[slot] = torch.where(owned, cb0, cached_cb0)

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import ModelBindingError
 from ..kernels.contract import OUT_ERROR, OUT_REASON, OUT_STATE, StepBatch
-from ..kernels.reference import in_class
+from ..kernels.reference import in_class, owned_rows
 from ..lifecycle import CLASS_LIVE
 from ..model_api import ColumnSpec, DraftInputs
 from ..sampling import row_faults, sample_tokens
@@ -122,7 +122,7 @@ class SpeculativeStep:
         slot, positions = batch.idx_mapping, k + 1
         owned = start = None
         if k or self.propose:
-            owned = ~batch.is_padding & (table.serial[slot] == batch.expected_serial)
+            owned = owned_rows(table, batch)
             start = table.num_computed[slot].clone()
         inputs, token_positions, token_slots = kern.compose_inputs(table, lc, batch, self._text_step)
         if k:
