@@ -80,13 +80,16 @@ class BucketStep:
             return
         n, b = batch.num_rows, self.batch
         for dst, src in ((b.idx_mapping, batch.idx_mapping), (b.is_padding, batch.is_padding),
-                         (b.expected_serial, batch.expected_serial), (b.num_scheduled, batch.num_scheduled)):
+                         (b.expected_serial, batch.expected_serial), (b.num_scheduled, batch.num_scheduled),
+                         (b.scheduled, batch.scheduled), (b.owner_serial, batch.owner_serial)):
             dst[:n].copy_(src)
         if n < self._rows:  # rows that held the last batch's requests are padding again
             b.idx_mapping[n:self._rows].fill_(self.scratch)
             b.is_padding[n:self._rows].fill_(True)
             b.expected_serial[n:self._rows].fill_(0)
             b.num_scheduled[n:self._rows].fill_(0)
+            b.scheduled[n:self._rows].fill_(False)
+            b.owner_serial[n:self._rows].fill_(-1)
         self._loaded, self._rows = batch, n
 
     def capture(self) -> None:
@@ -110,6 +113,8 @@ class BucketStep:
         b.is_padding.fill_(True)
         b.expected_serial.zero_()
         b.num_scheduled.zero_()
+        b.scheduled.fill_(False)
+        b.owner_serial.fill_(-1)
         self._loaded, self._rows = None, 0
 
     def run(self, rows: int) -> torch.Tensor:

@@ -84,9 +84,16 @@ class StepBatch:
     tokens_are_rows: bool = False
     # Tokens in the step (token_rows' length), host-known: stored once, read every step.
     num_tokens: int = attrs.field(init=False)
+    # Derived once per batch (a steady decode batch is one object over many steps), so a
+    # stage tests ownership in two ops: not padding (bool [B]), and the serial a row's slot
+    # must hold for the row to own it (int64 [B]; -1, which no slot holds, on padding rows).
+    scheduled: torch.Tensor = attrs.field(init=False)
+    owner_serial: torch.Tensor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "num_tokens", int(self.token_rows.shape[0]))
+        object.__setattr__(self, "scheduled", ~self.is_padding)
+        object.__setattr__(self, "owner_serial", torch.where(self.is_padding, -1, self.expected_serial))
 
     @property
     def num_rows(self) -> int:

@@ -19,11 +19,13 @@ import torch
 from ..lifecycle import CLASS_LIVE, DeviceLifecycle, Phase, Predicate
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..sampling.params import sampler_facts
-from ..slots import ERR_IDENTITY, ERR_SPAN, SlotTable
+from ..slots import ERR_IDENTITY, ERR_SPAN, WORD_ERROR, WORD_STATE, SlotTable
 from .contract import StepBatch, TextStep
 # The step-boundary stages (host events, admissions, resume replay) live beside the decode ones.
 from .events import apply_admits, apply_host_events, replay_frames  # noqa: F401
-from .row_ops import PhaseResult, at, const, draw_cb0_rows, flag, in_class, owned_rows, put, record, run_phase  # noqa: F401
+from .row_ops import (  # noqa: F401
+    PhaseResult, at, const, draw_cb0_rows, flag, in_class, owned_rows, put, record, run_phase, words_at,
+)
 # Speculative decoding's verify positions as rows (their own module: the stage functions' names).
 from .verify import sample_positions, verify_frames  # noqa: F401
 
@@ -49,10 +51,10 @@ def decode_text(table: SlotTable, batch: StepBatch, text_step: TextStep) -> torc
 def compose_rows(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text: torch.Tensor):
     """compose_inputs given each row's text-step input [B, H]: a pure tensor function."""
     slot, device = batch.idx_mapping, batch.idx_mapping.device
-    scheduled = ~batch.is_padding
-    matches = at(table.serial, slot) == batch.expected_serial
-    owned = scheduled & matches
-    live = owned & in_class(lc, at(table.state, slot), CLASS_LIVE)
+    owned = owned_rows(table, batch)
+    stale = batch.scheduled ^ owned  # scheduled onto a slot another request owns (owned implies scheduled)
+    words = words_at(table, slot)
+    live = owned & in_class(lc, words[WORD_STATE], CLASS_LIVE)
     computed, prompt_len = at(table.num_computed, slot), at(table.prompt_len, slot)
     prefill = computed < prompt_len
     # Phase comes from num_computed < prompt_len, never from the span length.
@@ -60,10 +62,10 @@ def compose_rows(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text: 
                                   batch.num_scheduled != const(batch.decode_width, torch.int64, device))
     zero = const(0, torch.int32, device)
     bits = (torch.where(bad_span, const(ERR_SPAN, torch.int32, device), zero)
-            | torch.where(scheduled & ~matches, const(ERR_IDENTITY, torch.int32, device), zero))
-    put(table.error, slot, at(table.error, slot) | bits)
+            | torch.where(stale, const(ERR_IDENTITY, torch.int32, device), zero))
+    put(table.error, slot, words[WORD_ERROR] | bits)
     decode_input = at(table.frame_embed, slot) + text.to(table.frame_embed.dtype)
-    usable = live & ~bad_span
+    usable = live ^ bad_span  # live and not bad_span (bad_span implies live)
     context = const(table.max_context, torch.int64, device)
     if batch.tokens_are_rows:  # token i is row i's only token (host-known): no per-token gather
         positions, token_rows = computed, None
@@ -114,7 +116,8 @@ def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: 
     """The sample-phase stages over sampled CB0 tokens and their fault words: counters,
     intake and EOS edges, the fault column (a pure tensor function)."""
     slot, device = batch.idx_mapping, batch.idx_mapping.device
-    state = at(table.state, slot)
+    words = words_at(table, slot)
+    state = words[WORD_STATE]
     owned = owned_rows(table, batch)
     live = owned & in_class(lc, state, CLASS_LIVE)
     computed = at(table.num_computed, slot) + torch.where(live, batch.num_scheduled, const(0, torch.int64, device))
@@ -124,7 +127,7 @@ def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: 
         facts[Predicate.EOS_SAMPLED] = tokens == const(eos_token_id, tokens.dtype, device)
     result = run_phase(lc, Phase.SAMPLE, state, owned, facts)
     put(table.num_computed, slot, computed)
-    record(table, slot, result, fault)  # codebook 0: the word is the kind
+    record(table, slot, result, words, fault)  # codebook 0: the word is the kind
 
 
 def mtp_sampler(table: SlotTable, batch: StepBatch):
@@ -201,8 +204,9 @@ def mtp_scatter(
     facts = {Predicate.MTP_FAULT: mtp_faults != const(0, mtp_faults.dtype, device)}
     if mtp_stop is not None:  # a predicate left out of the facts reads false
         facts[Predicate.MTP_STOP] = mtp_stop.to(torch.bool)
-    result = run_phase(lc, Phase.MTP, at(table.state, slot), owned, facts, last=last)
-    record(table, slot, result, mtp_faults)
+    words = words_at(table, slot)
+    result = run_phase(lc, Phase.MTP, words[WORD_STATE], owned, facts, last=last)
+    record(table, slot, result, words, mtp_faults)
 
 
 def delay_facts(frame_index: torch.Tensor, codes: torch.Tensor, previous: torch.Tensor, eoc: int | None) -> dict:
@@ -246,9 +250,11 @@ def publish_frames(
     # A stage after a publishing one sees the frame counted.
     after = {Predicate.LENGTH_REACHED: (left <= const(1, torch.int64, device)) | full}
     # last: whatever the stages did, no row may rest in a state that exists only inside a step.
-    result = run_phase(lc, Phase.PUBLISH, at(table.state, slot), owned, facts, after, last=last)
-    ready = result.published
-    num_frames = frame_index + ready
+    words = words_at(table, slot)
+    result = run_phase(lc, Phase.PUBLISH, words[WORD_STATE], owned, facts, after, last=last)
+    count = result.published  # int32 0 / 1
+    num_frames = frame_index + count
+    ready = count != const(0, torch.int32, device)
     ready_rows = ready[:, None]
     put(table.frame_codes, slot, torch.where(ready_rows, codes, last_codes))
     log_at = frame_index.clamp(max=table.max_context - 1)
@@ -257,9 +263,9 @@ def publish_frames(
                                              at(table.frame_embed, slot)))
     # The repetition penalty's memory: one more occurrence of each published CB0 id.
     cb0 = codes[:, 0].clamp(0, table.cb0_counts.shape[1] - 1)
-    table.cb0_counts.index_put_((slot, cb0), ready.to(table.cb0_counts.dtype), accumulate=True)
+    table.cb0_counts.index_put_((slot, cb0), count, accumulate=True)  # both int32
     put(table.num_frames, slot, num_frames)
-    reason, error = record(table, slot, result)
+    reason, error = record(table, slot, result, words)
     # One int64 row per request (stack promotes the columns): the layout of contract.OUT_*.
-    columns = torch.stack([ready, frame_index, error, result.state, reason, num_frames, computed], dim=1)
+    columns = torch.stack([count, frame_index, error, result.state, reason, num_frames, computed], dim=1)
     return torch.cat([columns, torch.where(ready_rows, codes, const(0, codes.dtype, device))], dim=1)

@@ -19,15 +19,18 @@ from ..lifecycle import DeviceLifecycle, Phase, Predicate
 from ..lifecycle.phase_fold import PUBLISH_SENSITIVE
 from ..sampling import sample_tokens
 from ..sampling.penalties import PENALTY_BEFORE_TEMPERATURE, apply_repetition_penalty, suppress_eos
-from ..slots import ERR_ILLEGAL, SlotTable
+from ..slots import WORD_ERROR, WORD_FAULT, WORD_REASON, SlotTable
 from .contract import StepBatch
 
 
 class PhaseResult(NamedTuple):
-    state: torch.Tensor  # new state per row
+    """One phase's outcome per row: views of one gather from the phase's packed table."""
+
+    state: torch.Tensor  # int32 new state
     reason: torch.Tensor  # int32 finish reason recorded by a fired edge (0 = none)
-    published: torch.Tensor  # bool: a fired edge emits a frame
-    stuck: torch.Tensor  # bool: a total stage moved nothing, or the row rests in an in-step state
+    published: torch.Tensor  # int32 1 where a fired edge emits a frame, else 0
+    # int32 ERR_ILLEGAL where a total stage moved nothing or the row rests in an in-step state, else 0
+    illegal: torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +53,9 @@ def put(column: torch.Tensor, slot: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def owned_rows(table: SlotTable, batch: StepBatch) -> torch.Tensor:
-    """Rows whose slot still belongs to the request the host scheduled (identity guard)."""
-    return ~batch.is_padding & (at(table.serial, batch.idx_mapping) == batch.expected_serial)
+    """Rows whose slot still belongs to the request the host scheduled (identity guard;
+    a padding row's owner serial is one no slot holds)."""
+    return at(table.serial, batch.idx_mapping) == batch.owner_serial
 
 
 def in_class(lc: DeviceLifecycle, state: torch.Tensor, class_bit: int) -> torch.Tensor:
@@ -73,28 +77,29 @@ def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: tor
     # The masks stacked alone (one dtype: a mixed stack promotes at a cost), the state added.
     masks = torch.stack([owned, *facts.values(), *after.values()], dim=1)
     index = (masks * weights).sum(dim=1) + state * state_weight
-    dest, reason, published, stuck = lc.phase_tables[phase, last]
-    return PhaseResult(dest.index_select(0, index), reason.index_select(0, index),
-                       published.index_select(0, index), stuck.index_select(0, index))
+    return PhaseResult(*lc.phase_rows[phase, last].index_select(1, index).unbind(0))
 
 
-def record(table: SlotTable, slot: torch.Tensor, result: PhaseResult,
+def words_at(table: SlotTable, slot: torch.Tensor) -> torch.Tensor:
+    """The rows' lifecycle words (state, finish_reason, error, fault; int32 [4, B], rows WORD_*)."""
+    return table.lifecycle_words.index_select(1, slot)
+
+
+def record(table: SlotTable, slot: torch.Tensor, result: PhaseResult, words: torch.Tensor,
            fault: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A phase's moves into the table: state, the finish reason an edge recorded, the sticky
-    ERR_ILLEGAL bit of a stuck row and, given the phase's fault words, the `fault` column (a
-    row's first fault word, kept where the phase ended the row on a bad sample, only while
-    the column is still 0). Returns the rows' (finish_reason, error) as written."""
-    device = slot.device
-    zero = const(0, torch.int32, device)
-    put(table.state, slot, result.state)
+    """A phase's moves into the table, given the rows' words as the phase read them
+    (`words_at`): state, the finish reason an edge recorded, the sticky ERR_ILLEGAL bit of a
+    stuck row and, given the phase's fault words, the `fault` column (a row's first fault
+    word, kept where the phase ended the row on a bad sample, only while the column is still
+    0), all four in one scatter. Returns the rows' (finish_reason, error) as written."""
+    zero = const(0, torch.int32, slot.device)
     ended = result.reason != zero  # a row the step does not own records no reason
-    reason = torch.where(ended, result.reason, at(table.finish_reason, slot))
-    put(table.finish_reason, slot, reason)
-    error = at(table.error, slot) | torch.where(result.stuck, const(ERR_ILLEGAL, torch.int32, device), zero)
-    put(table.error, slot, error)
+    reason = torch.where(ended, result.reason, words[WORD_REASON])
+    error = words[WORD_ERROR] | result.illegal
+    old_fault = words[WORD_FAULT]
     if fault is not None:  # where fault is 0, writing it keeps old's 0
-        old = at(table.fault, slot)
-        put(table.fault, slot, torch.where(ended & (old == const(0, old.dtype, device)), fault.to(old.dtype), old))
+        old_fault = torch.where(ended & (old_fault == zero), fault.to(torch.int32), old_fault)
+    table.lifecycle_words.index_copy_(1, slot, torch.stack([result.state, reason, error, old_fault]))
     return reason, error
 
 

@@ -16,6 +16,11 @@ RULE_DEST, RULE_MUST, RULE_MUST_NOT, RULE_REASON, RULE_PUBLISHES = range(5)
 CLASS_LIVE, CLASS_TERMINAL, CLASS_IN_STEP, CLASS_VACANT = 1, 2, 4, 8
 
 
+# The sticky error bit of a row no stage could move (re-exported by `slots` beside the other bits).
+ERR_ILLEGAL = 2
+# Rows of a phase's packed outcome table (`DeviceLifecycle.phase_rows`).
+ROW_DEST, ROW_REASON, ROW_PUBLISHED, ROW_ILLEGAL = range(4)
+
 # A stage's outcome for (state, predicate word), packed in one int32 (see `stage_outcomes`).
 OUTCOME_FIRED, OUTCOME_PUBLISHES, OUTCOME_REASON_SHIFT = 1 << 8, 1 << 9, 10
 WORDS = 1 << len(Predicate)  # every value of the predicate word
@@ -35,6 +40,9 @@ class DeviceLifecycle:
     # (phase, ends the step) -> the whole phase folded (`phase_fold`): (dest, reason, published,
     # stuck), one lookup each per phase.
     phase_tables: dict[tuple[Phase, bool], tuple[torch.Tensor, ...]] = attrs.field(init=False)
+    # The same, packed for one gather per phase: int32 [4, n], rows ROW_*: destination, reason,
+    # published (0 / 1) and the error bits a stuck row sets (ERR_ILLEGAL / 0).
+    phase_rows: dict[tuple[Phase, bool], torch.Tensor] = attrs.field(init=False)
     # CLASS_* bit -> bool [num_states]: whether each state is in that class (one gather per test).
     class_masks: dict[int, torch.Tensor] = attrs.field(init=False)
     # (predicates, after) -> the index weights of a phase's columns (`phase_fold.phase_weights`),
@@ -55,6 +63,9 @@ class DeviceLifecycle:
                 tables[phase, last] = tuple(t.to(device) for t in folded)
         object.__setattr__(self, "outcomes", {phase: tuple(t.to(device) for t in ts) for phase, ts in host.items()})
         object.__setattr__(self, "phase_tables", tables)
+        object.__setattr__(self, "phase_rows", {key: torch.stack([
+            dest, reason, published.to(torch.int32), stuck.to(torch.int32) * ERR_ILLEGAL])
+            for key, (dest, reason, published, stuck) in tables.items()})
         masks = {bit: (self.state_class & bit) != 0 for bit in (CLASS_LIVE, CLASS_TERMINAL, CLASS_IN_STEP, CLASS_VACANT)}
         object.__setattr__(self, "class_masks", masks)
         object.__setattr__(self, "weights", _WeightsByLayout(device))

@@ -6,13 +6,18 @@ import attrs
 import torch
 
 from ..lifecycle import FinishReason
+from ..lifecycle.device_tables import ERR_ILLEGAL  # noqa: F401 (one of the sticky bits below)
 from ..model_api import ColumnSpec, ModelSpec
 from ..sampling.penalties import PENALTY_BEFORE_TEMPERATURE
 
 # Sticky error bits (the `error` column); any set bit is an engine bug, reported loudly.
 ERR_IDENTITY = 1  # a row's expected request serial does not match the slot's owner
-ERR_ILLEGAL = 2  # a host trigger the table does not declare, or a row no stage could move
+# ERR_ILLEGAL = 2: a host trigger the table does not declare, or a row no stage could move
+# (defined by the lifecycle, whose phase tables carry it).
 ERR_SPAN = 4  # a prefill span runs past the prompt, or a decode row has no frame
+
+# Rows of `SlotTable.lifecycle_words`: the int32 columns every lifecycle phase reads and writes.
+WORD_STATE, WORD_REASON, WORD_ERROR, WORD_FAULT = range(4)
 
 
 @attrs.define(eq=False)
@@ -30,13 +35,13 @@ class SlotTable:
     num_codebooks: int  # words per frame row: Q codes, then a payload's elements (ModelSpec.frame_width)
     hidden_size: int
     device: torch.device
-    state: torch.Tensor  # int32 [R], State codes
+    state: torch.Tensor = attrs.field(init=False)  # int32 [R], State codes
     serial: torch.Tensor  # int64 [R], owner's admission serial (0 = none): identity guard
     prompt_len: torch.Tensor  # int64 [R], prompt positions (incl. replayed frames on resume)
     num_computed: torch.Tensor  # int64 [R], positions computed (KV written)
     num_frames: torch.Tensor  # int64 [R], frames published (= next frame index)
     max_frames: torch.Tensor  # int64 [R], frame budget
-    finish_reason: torch.Tensor  # int32 [R], FinishReason codes
+    finish_reason: torch.Tensor = attrs.field(init=False)  # int32 [R], FinishReason codes
     frame_embed: torch.Tensor  # [R, H] embedding sum of the last published frame
     frame_codes: torch.Tensor  # int64 [R, Q] codes of the last published frame
     frame_log: torch.Tensor  # int64 [R, C, Q] codes of every published frame (resume replays them)
@@ -52,16 +57,24 @@ class SlotTable:
     # int32 [R, V0]: how often each CB0 id was published (the repetition penalty's memory;
     # a resumed row gets it rebuilt from its replayed frames at admission).
     cb0_counts: torch.Tensor
-    error: torch.Tensor  # int32 [R], sticky ERR_* bits
+    error: torch.Tensor = attrs.field(init=False)  # int32 [R], sticky ERR_* bits
     # int32 [R], the sampling fault that ended the request (0 = none): kind | codebook << 4
     # (sampling.faults; codebook 0 = CB0), written once, by the stage whose phase ended it.
-    fault: torch.Tensor
+    fault: torch.Tensor = attrs.field(init=False)
     prompt_embeds: torch.Tensor  # [R, C, H] prompt (and replayed frame) input embeddings
+    # int32 [4, R]: state, finish_reason, error and fault are views of its rows (WORD_*), so a
+    # phase reads and writes all four with one gather and one scatter. Not a column of its own.
+    lifecycle_words: torch.Tensor
     extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
     extra_fill: dict[str, float] = attrs.field(factory=dict)  # a fresh row's value per model column
     # Where the CB0 repetition penalty acts (ModelSpec.repetition_penalty_order): the model's,
     # so one value for the table, read on the host by the sampling kernels (no device value).
     cb0_penalty_order: str = PENALTY_BEFORE_TEMPERATURE
+
+    def __attrs_post_init__(self) -> None:
+        for name, row in (("state", WORD_STATE), ("finish_reason", WORD_REASON), ("error", WORD_ERROR),
+                          ("fault", WORD_FAULT)):
+            object.__setattr__(self, name, self.lifecycle_words[row])
 
     @classmethod
     def allocate(
@@ -82,14 +95,13 @@ class SlotTable:
 
         table = cls(
             max_slots=max_slots, max_context=c, num_codebooks=q, hidden_size=h, device=device,
-            state=col(dtype=torch.int32), serial=col(), prompt_len=col(), num_computed=col(),
-            num_frames=col(), max_frames=col(), finish_reason=col(dtype=torch.int32),
+            serial=col(), prompt_len=col(), num_computed=col(), num_frames=col(), max_frames=col(),
             frame_embed=col((h,), spec.dtype), frame_codes=col((q,)), frame_log=col((c, q)), seed=col(),
             cb0_temperature=col(dtype=torch.float32), cb0_top_k=col(), cb0_top_p=col(dtype=torch.float32),
             mtp_temperature=col(dtype=torch.float32), mtp_top_k=col(), mtp_top_p=col(dtype=torch.float32),
             cb0_penalty=col(dtype=torch.float32) + 1.0, min_frames=col(),  # 1.0: no penalty (scratch row too)
             cb0_counts=col((spec.backbone_vocab_size,), torch.int32),
-            error=col(dtype=torch.int32), fault=col(dtype=torch.int32), prompt_embeds=col((c, h), spec.dtype),
+            prompt_embeds=col((c, h), spec.dtype), lifecycle_words=torch.zeros((4, r), dtype=torch.int32, device=device),
             cb0_penalty_order=spec.repetition_penalty_order,
         )
         for name, cs in (extra_columns or {}).items():
@@ -100,11 +112,11 @@ class SlotTable:
         return table
 
     def columns(self) -> dict[str, torch.Tensor]:
-        """Every per-slot tensor (core and model columns) by name."""
+        """Every per-slot tensor (core and model columns) by name (lifecycle_words is four of them)."""
         core = {
             f.name: getattr(self, f.name)
             for f in attrs.fields(type(self))
-            if isinstance(getattr(self, f.name), torch.Tensor)
+            if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "lifecycle_words"
         }
         return {**core, **self.extra}
 
@@ -117,6 +129,14 @@ class SlotTable:
         defaults["finish_reason"] = float(FinishReason.NONE)
         defaults["cb0_penalty"] = 1.0
         return defaults
+
+    def clone(self, device: torch.device | str | None = None) -> "SlotTable":
+        """A copy of every column (on `device`, default this table's), the lifecycle words one block."""
+        device = self.device if device is None else torch.device(device)
+        tensors = {f.name: getattr(self, f.name).to(device, copy=True) for f in attrs.fields(type(self))
+                   if f.init and isinstance(getattr(self, f.name), torch.Tensor)}
+        return attrs.evolve(self, device=device, extra={k: v.to(device, copy=True) for k, v in self.extra.items()},
+                            extra_fill=dict(self.extra_fill), **tensors)
 
     def row(self, slot: int) -> dict[str, torch.Tensor]:
         """One slot's values (a copy), for debugging and tests."""

@@ -10,7 +10,6 @@ On a CPU the kernels run under the Triton interpreter (tests/kernels/conftest.py
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -100,10 +99,7 @@ def make_table(seed: int, dtype: torch.dtype, live_bias: tuple[int, ...] = ()) -
 
 
 def _to(t: SlotTable, device) -> SlotTable:
-    core = {f.name: getattr(t, f.name).to(device).clone() for f in attrs.fields(SlotTable)
-            if isinstance(getattr(t, f.name), torch.Tensor)}
-    return attrs.evolve(t, device=torch.device(device), extra={k: v.to(device).clone() for k, v in t.extra.items()},
-                        **core)
+    return t.clone(device)
 
 
 def make_batch(seed: int, table: SlotTable, rows: int, pad_tokens: bool = False, filters=(True, True)) -> StepBatch:
