@@ -25,11 +25,19 @@ _DTYPES = (torch.float32, torch.bfloat16)
 ONE_ROW_DTYPES = (torch.float32,)
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN runs packed products of `dtype` (bf16 needs AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT: an AVX2-only host refuses to pack it, so bf16 keeps F.linear there)."""
+    if dtype not in _DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
-            and weight.dtype in _DTYPES and weight.numel() >= MIN_PACKED_NUMEL
+            and weight.numel() >= MIN_PACKED_NUMEL
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-            and torch.backends.mkldnn.is_available())
+            and packs(weight.dtype))
 
 
 def is_column_major(weight: torch.Tensor) -> bool:
@@ -68,7 +76,7 @@ class PackedWeight:
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   cache: PackedWeight) -> torch.Tensor | None:
     """x [..., K] @ weight[N, K].T + bias, or None where this path does not apply (another
-    device or dtype, a small weight, autograd, no oneDNN).
+    device or dtype, a small weight, autograd, no oneDNN or none for this dtype on this CPU).
 
     An fp32 `weight` (the calling module's own parameter) is moved to column-major storage at
     its first use here (hold_column_major_), so that one-row products stream it; products of

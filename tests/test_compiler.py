@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mtp_fsm.kernels.reference import run_phase
+from mtp_fsm.slots import ERR_ILLEGAL
 from mtp_fsm.lifecycle import (
     ALWAYS, Guard, LifecycleCompileError, Oracle, Phase, RequestFSM, State, Stage, Transition, Trigger,
     compile_lifecycle, mtp_lifecycle, predicates_of, single_codebook_lifecycle,
@@ -112,7 +113,7 @@ def test_torch_executor_equals_transitions_on_every_state_and_fact(variant):
             edges = [spec.transition(t, s) for t, s in edges]
             reason = next((int(e.reason) for e in reversed(edges) if e.reason), 0)
             where = f"{variant} {phase.label} from {source.label} with {fact}"
-            assert bool(result.stuck[i]) == stuck, where
+            assert int(result.illegal[i]) == (ERR_ILLEGAL if stuck else 0), where
             if stuck:
                 continue  # the step is already an invariant error; what follows does not matter
             assert int(result.state[i]) == fsm.code, where
@@ -125,7 +126,7 @@ def test_rows_that_are_not_owned_never_move():
     state = torch.tensor([int(State.DECODING)], dtype=torch.int32)
     facts = {p: torch.tensor([False]) for p in predicates_of(Phase.SAMPLE)}
     result = run_phase(lc, Phase.SAMPLE, state, torch.tensor([False]), facts)
-    assert int(result.state[0]) == State.DECODING and not result.stuck[0]
+    assert int(result.state[0]) == State.DECODING and int(result.illegal[0]) == 0
 
 
 def test_diagrams_show_the_guards_on_the_edges():

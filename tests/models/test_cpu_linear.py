@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.cpu_linear import MIN_PACKED_NUMEL, PackedWeight, is_column_major, packed_linear
+from models.cpu_linear import MIN_PACKED_NUMEL, PackedWeight, is_column_major, packed_linear, packs
 from models.qwen3_tts.layers import Linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
@@ -100,11 +100,14 @@ def test_column_major_weight_serves_many_rows_and_follows_loads():
 
 
 def test_bf16_keeps_a_row_major_weight():
+    """bf16 runs over the packed copy where this CPU's oneDNN packs bf16, else F.linear (an
+    AVX2-only host); either way the weight stays row-major and the product is right."""
     layer = Linear(1024, 1024, False).requires_grad_(False).to(torch.bfloat16)
     x = torch.randn(1, 1024, dtype=torch.bfloat16)
     with torch.no_grad():
         got = layer(x)
-    assert layer.weight.is_contiguous() and layer._packed._key is not None
+    assert layer.weight.is_contiguous()
+    assert (layer._packed._key is not None) == packs(torch.bfloat16)
     torch.testing.assert_close(got, F.linear(x, layer.weight), rtol=2e-2, atol=2e-2)
 
 
