@@ -12,7 +12,10 @@ from mtp_fsm.kernels.contract import StagedAdmits
 from mtp_fsm.kernels.reference import apply_admits
 from mtp_fsm.lifecycle import FinishReason, State, Trigger, compile_lifecycle, mtp_lifecycle
 from mtp_fsm.model_api import ColumnSpec, PreparedPrompt
-from mtp_fsm.slots import ERR_ILLEGAL, SlotAllocator, SlotTable
+from mtp_fsm.slots import (
+    ERR_ILLEGAL, PROGRESS_COMPUTED, PROGRESS_FRAMES, PROGRESS_MAX_FRAMES, PROGRESS_PROMPT_LEN, PROGRESS_SERIAL, WORD_ERROR,
+    WORD_FAULT, WORD_REASON, WORD_STATE, SlotAllocator, SlotTable,
+)
 from mtp_fsm.testing import ScriptedTalker, ScriptInputs
 
 SPEC = ScriptedTalker().spec
@@ -91,6 +94,27 @@ def test_table_shapes_dtypes_and_scratch_row():
     row = t.row(2)
     row["seed"] += 1
     assert int(t.seed[2]) == 0  # row() returns copies
+
+
+def test_blocked_columns_are_views_of_their_block_rows_and_clone_keeps_them():
+    """state..fault and serial..max_frames live in one block each (the stages gather a block
+    at once): a write through a column shows in its block's row at the row constant, and a
+    clone (also onto another device) is again one block, not separate copies."""
+    t = SlotTable.allocate(3, SPEC)
+    words, progress = "lifecycle_words", "progress"
+    rows = {"state": (words, WORD_STATE), "finish_reason": (words, WORD_REASON), "error": (words, WORD_ERROR),
+            "fault": (words, WORD_FAULT), "serial": (progress, PROGRESS_SERIAL),
+            "prompt_len": (progress, PROGRESS_PROMPT_LEN), "num_computed": (progress, PROGRESS_COMPUTED),
+            "num_frames": (progress, PROGRESS_FRAMES), "max_frames": (progress, PROGRESS_MAX_FRAMES)}
+    assert words not in t.columns() and progress not in t.columns()
+    for table in (t, t.clone("cpu")):
+        for i, (name, (block, row)) in enumerate(rows.items()):
+            table.columns()[name][1] = 10 + i
+            assert int(getattr(table, block)[row, 1]) == 10 + i, name
+    assert not t.lifecycle_words[:, 1].eq(0).all()
+    c = t.clone()
+    c.state[1] = 99
+    assert int(t.state[1]) != 99  # a copy, not a view of the original
 
 
 def test_table_rejects_bad_sizes_and_clashing_columns():

@@ -19,12 +19,16 @@ import torch
 from ..lifecycle import CLASS_LIVE, DeviceLifecycle, Phase, Predicate
 from ..sampling import FAULT_CODEBOOK_SHIFT, SamplingParams, frame_key, gumbel_noise_codebooks, sample_tokens
 from ..sampling.params import sampler_facts
-from ..slots import ERR_IDENTITY, ERR_SPAN, WORD_ERROR, WORD_STATE, SlotTable
+from ..slots import (
+    ERR_IDENTITY, ERR_SPAN, PROGRESS_COMPUTED, PROGRESS_FRAMES, PROGRESS_MAX_FRAMES, PROGRESS_PROMPT_LEN, WORD_ERROR,
+    WORD_STATE, SlotTable,
+)
 from .contract import StepBatch, TextStep
 # The step-boundary stages (host events, admissions, resume replay) live beside the decode ones.
 from .events import apply_admits, apply_host_events, replay_frames  # noqa: F401
 from .row_ops import (  # noqa: F401
-    PhaseResult, at, const, draw_cb0_rows, flag, in_class, owned_rows, put, record, run_phase, words_at,
+    PhaseResult, at, const, draw_cb0_rows, flag, in_class, owned_rows, owns, progress_at, put, record, run_phase,
+    words_at,
 )
 # Speculative decoding's verify positions as rows (their own module: the stage functions' names).
 from .verify import sample_positions, verify_frames  # noqa: F401
@@ -51,11 +55,11 @@ def decode_text(table: SlotTable, batch: StepBatch, text_step: TextStep) -> torc
 def compose_rows(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text: torch.Tensor):
     """compose_inputs given each row's text-step input [B, H]: a pure tensor function."""
     slot, device = batch.idx_mapping, batch.idx_mapping.device
-    owned = owned_rows(table, batch)
+    progress, words = progress_at(table, slot), words_at(table, slot)
+    owned = owns(progress, batch)
     stale = batch.scheduled ^ owned  # scheduled onto a slot another request owns (owned implies scheduled)
-    words = words_at(table, slot)
     live = owned & in_class(lc, words[WORD_STATE], CLASS_LIVE)
-    computed, prompt_len = at(table.num_computed, slot), at(table.prompt_len, slot)
+    computed, prompt_len = progress[PROGRESS_COMPUTED], progress[PROGRESS_PROMPT_LEN]
     prefill = computed < prompt_len
     # Phase comes from num_computed < prompt_len, never from the span length.
     bad_span = live & torch.where(prefill, computed + batch.num_scheduled > prompt_len,
@@ -116,13 +120,13 @@ def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: 
     """The sample-phase stages over sampled CB0 tokens and their fault words: counters,
     intake and EOS edges, the fault column (a pure tensor function)."""
     slot, device = batch.idx_mapping, batch.idx_mapping.device
-    words = words_at(table, slot)
+    progress, words = progress_at(table, slot), words_at(table, slot)
     state = words[WORD_STATE]
-    owned = owned_rows(table, batch)
+    owned = owns(progress, batch)
     live = owned & in_class(lc, state, CLASS_LIVE)
-    computed = at(table.num_computed, slot) + torch.where(live, batch.num_scheduled, const(0, torch.int64, device))
+    computed = progress[PROGRESS_COMPUTED] + torch.where(live, batch.num_scheduled, const(0, torch.int64, device))
     bad = fault != const(0, fault.dtype, device)
-    facts = {Predicate.PROMPT_DONE: computed >= at(table.prompt_len, slot), Predicate.CB0_FAULT: bad}
+    facts = {Predicate.PROMPT_DONE: computed >= progress[PROGRESS_PROMPT_LEN], Predicate.CB0_FAULT: bad}
     if eos_token_id is not None:  # a predicate left out of the facts reads false
         facts[Predicate.EOS_SAMPLED] = tokens == const(eos_token_id, tokens.dtype, device)
     result = run_phase(lc, Phase.SAMPLE, state, owned, facts)
@@ -234,9 +238,10 @@ def publish_frames(
     Returns the packed per-row output [B, OUT_CODES + Q] (int64) for the single copy.
     """
     slot, device = batch.idx_mapping, batch.idx_mapping.device
-    owned = owned_rows(table, batch)
-    frame_index = at(table.num_frames, slot)
-    computed, max_frames = at(table.num_computed, slot), at(table.max_frames, slot)
+    progress = progress_at(table, slot)
+    owned = owns(progress, batch)
+    frame_index = progress[PROGRESS_FRAMES]
+    computed, max_frames = progress[PROGRESS_COMPUTED], progress[PROGRESS_MAX_FRAMES]
     last_codes = at(table.frame_codes, slot)
     frame_facts = delay_facts(frame_index, codes, last_codes, eoc)
     if eos is not None:

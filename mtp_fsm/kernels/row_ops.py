@@ -19,7 +19,7 @@ from ..lifecycle import DeviceLifecycle, Phase, Predicate
 from ..lifecycle.phase_fold import PUBLISH_SENSITIVE
 from ..sampling import sample_tokens
 from ..sampling.penalties import PENALTY_BEFORE_TEMPERATURE, apply_repetition_penalty, suppress_eos
-from ..slots import WORD_ERROR, WORD_FAULT, WORD_REASON, SlotTable
+from ..slots import PROGRESS_SERIAL, WORD_ERROR, WORD_FAULT, WORD_REASON, SlotTable
 from .contract import StepBatch
 
 
@@ -52,6 +52,17 @@ def put(column: torch.Tensor, slot: torch.Tensor, value: torch.Tensor) -> None:
     column.index_copy_(0, slot, value if value.dtype == column.dtype else value.to(column.dtype))
 
 
+def progress_at(table: SlotTable, slot: torch.Tensor) -> torch.Tensor:
+    """The rows' progress (serial, prompt_len, num_computed, num_frames, max_frames; int64
+    [5, B], rows PROGRESS_*): one gather for every counter a stage tests."""
+    return table.progress.index_select(1, slot)
+
+
+def owns(progress: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    """owned_rows from the rows' gathered progress."""
+    return progress[PROGRESS_SERIAL] == batch.owner_serial
+
+
 def owned_rows(table: SlotTable, batch: StepBatch) -> torch.Tensor:
     """Rows whose slot still belongs to the request the host scheduled (identity guard;
     a padding row's owner serial is one no slot holds)."""
@@ -73,11 +84,11 @@ def run_phase(lc: DeviceLifecycle, phase: Phase, state: torch.Tensor, owned: tor
     after-publish value keeps its value through the phase."""
     given = after_publish or {}
     after = {p: given.get(p, facts[p]) for p in PUBLISH_SENSITIVE if p in facts or p in given}
-    weights, state_weight = lc.weights[tuple(facts), tuple(after)]
-    # The masks stacked alone (one dtype: a mixed stack promotes at a cost), the state added.
-    masks = torch.stack([owned, *facts.values(), *after.values()], dim=1)
-    index = (masks * weights).sum(dim=1) + state * state_weight
-    return PhaseResult(*lc.phase_rows[phase, last].index_select(1, index).unbind(0))
+    weights, _ = lc.weights[tuple(facts), tuple(after)]
+    # The masks stacked alone (one dtype: a mixed stack promotes at a cost) into the predicate
+    # word; the state indexes the table's own axis (no flat index to build).
+    word = (torch.stack([owned, *facts.values(), *after.values()], dim=1) * weights).sum(dim=1)
+    return PhaseResult(*lc.phase_rows[phase, last][:, state, word].unbind(0))
 
 
 def words_at(table: SlotTable, slot: torch.Tensor) -> torch.Tensor:

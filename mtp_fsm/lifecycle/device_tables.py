@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .phase_fold import fold_phase, phase_weights
+from .phase_fold import PHASE_WORDS, fold_phase, phase_weights
 from .predicates import Phase, Predicate
 
 ILLEGAL = -1
@@ -40,8 +40,9 @@ class DeviceLifecycle:
     # (phase, ends the step) -> the whole phase folded (`phase_fold`): (dest, reason, published,
     # stuck), one lookup each per phase.
     phase_tables: dict[tuple[Phase, bool], tuple[torch.Tensor, ...]] = attrs.field(init=False)
-    # The same, packed for one gather per phase: int32 [4, n], rows ROW_*: destination, reason,
-    # published (0 / 1) and the error bits a stuck row sets (ERR_ILLEGAL / 0).
+    # The same, packed for one gather per phase: int32 [4, states, PHASE_WORDS] (indexed by a
+    # row's state and predicate word), planes ROW_*: destination, reason, published (0 / 1)
+    # and the error bits a stuck row sets (ERR_ILLEGAL / 0).
     phase_rows: dict[tuple[Phase, bool], torch.Tensor] = attrs.field(init=False)
     # CLASS_* bit -> bool [num_states]: whether each state is in that class (one gather per test).
     class_masks: dict[int, torch.Tensor] = attrs.field(init=False)
@@ -64,7 +65,7 @@ class DeviceLifecycle:
         object.__setattr__(self, "outcomes", {phase: tuple(t.to(device) for t in ts) for phase, ts in host.items()})
         object.__setattr__(self, "phase_tables", tables)
         object.__setattr__(self, "phase_rows", {key: torch.stack([
-            dest, reason, published.to(torch.int32), stuck.to(torch.int32) * ERR_ILLEGAL])
+            dest, reason, published.to(torch.int32), stuck.to(torch.int32) * ERR_ILLEGAL]).view(4, self.num_states, PHASE_WORDS)
             for key, (dest, reason, published, stuck) in tables.items()})
         masks = {bit: (self.state_class & bit) != 0 for bit in (CLASS_LIVE, CLASS_TERMINAL, CLASS_IN_STEP, CLASS_VACANT)}
         object.__setattr__(self, "class_masks", masks)

@@ -18,6 +18,13 @@ ERR_SPAN = 4  # a prefill span runs past the prompt, or a decode row has no fram
 
 # Rows of `SlotTable.lifecycle_words`: the int32 columns every lifecycle phase reads and writes.
 WORD_STATE, WORD_REASON, WORD_ERROR, WORD_FAULT = range(4)
+# Rows of `SlotTable.progress`: the int64 columns saying who owns a slot and how far its request got.
+PROGRESS_SERIAL, PROGRESS_PROMPT_LEN, PROGRESS_COMPUTED, PROGRESS_FRAMES, PROGRESS_MAX_FRAMES = range(5)
+# Each block's columns in row order: the block is the storage, the columns views of its rows.
+BLOCKS = {
+    "lifecycle_words": ("state", "finish_reason", "error", "fault"),
+    "progress": ("serial", "prompt_len", "num_computed", "num_frames", "max_frames"),
+}
 
 
 @attrs.define(eq=False)
@@ -36,11 +43,11 @@ class SlotTable:
     hidden_size: int
     device: torch.device
     state: torch.Tensor = attrs.field(init=False)  # int32 [R], State codes
-    serial: torch.Tensor  # int64 [R], owner's admission serial (0 = none): identity guard
-    prompt_len: torch.Tensor  # int64 [R], prompt positions (incl. replayed frames on resume)
-    num_computed: torch.Tensor  # int64 [R], positions computed (KV written)
-    num_frames: torch.Tensor  # int64 [R], frames published (= next frame index)
-    max_frames: torch.Tensor  # int64 [R], frame budget
+    serial: torch.Tensor = attrs.field(init=False)  # int64 [R], owner's admission serial (0 = none): identity guard
+    prompt_len: torch.Tensor = attrs.field(init=False)  # int64 [R], prompt positions (incl. replayed frames on resume)
+    num_computed: torch.Tensor = attrs.field(init=False)  # int64 [R], positions computed (KV written)
+    num_frames: torch.Tensor = attrs.field(init=False)  # int64 [R], frames published (= next frame index)
+    max_frames: torch.Tensor = attrs.field(init=False)  # int64 [R], frame budget
     finish_reason: torch.Tensor = attrs.field(init=False)  # int32 [R], FinishReason codes
     frame_embed: torch.Tensor  # [R, H] embedding sum of the last published frame
     frame_codes: torch.Tensor  # int64 [R, Q] codes of the last published frame
@@ -65,6 +72,9 @@ class SlotTable:
     # int32 [4, R]: state, finish_reason, error and fault are views of its rows (WORD_*), so a
     # phase reads and writes all four with one gather and one scatter. Not a column of its own.
     lifecycle_words: torch.Tensor
+    # int64 [5, R]: serial, prompt_len, num_computed, num_frames and max_frames are views of its
+    # rows (PROGRESS_*), so a stage reads the ones it tests with one gather. Not a column either.
+    progress: torch.Tensor
     extra: dict[str, torch.Tensor] = attrs.field(factory=dict)
     extra_fill: dict[str, float] = attrs.field(factory=dict)  # a fresh row's value per model column
     # Where the CB0 repetition penalty acts (ModelSpec.repetition_penalty_order): the model's,
@@ -72,9 +82,9 @@ class SlotTable:
     cb0_penalty_order: str = PENALTY_BEFORE_TEMPERATURE
 
     def __attrs_post_init__(self) -> None:
-        for name, row in (("state", WORD_STATE), ("finish_reason", WORD_REASON), ("error", WORD_ERROR),
-                          ("fault", WORD_FAULT)):
-            object.__setattr__(self, name, self.lifecycle_words[row])
+        for block, names in BLOCKS.items():
+            for row, name in enumerate(names):
+                object.__setattr__(self, name, getattr(self, block)[row])
 
     @classmethod
     def allocate(
@@ -95,13 +105,13 @@ class SlotTable:
 
         table = cls(
             max_slots=max_slots, max_context=c, num_codebooks=q, hidden_size=h, device=device,
-            serial=col(), prompt_len=col(), num_computed=col(), num_frames=col(), max_frames=col(),
+            progress=torch.zeros((len(BLOCKS["progress"]), r), dtype=torch.int64, device=device),
             frame_embed=col((h,), spec.dtype), frame_codes=col((q,)), frame_log=col((c, q)), seed=col(),
             cb0_temperature=col(dtype=torch.float32), cb0_top_k=col(), cb0_top_p=col(dtype=torch.float32),
             mtp_temperature=col(dtype=torch.float32), mtp_top_k=col(), mtp_top_p=col(dtype=torch.float32),
             cb0_penalty=col(dtype=torch.float32) + 1.0, min_frames=col(),  # 1.0: no penalty (scratch row too)
             cb0_counts=col((spec.backbone_vocab_size,), torch.int32),
-            prompt_embeds=col((c, h), spec.dtype), lifecycle_words=torch.zeros((4, r), dtype=torch.int32, device=device),
+            prompt_embeds=col((c, h), spec.dtype), lifecycle_words=torch.zeros((len(BLOCKS["lifecycle_words"]), r), dtype=torch.int32, device=device),
             cb0_penalty_order=spec.repetition_penalty_order,
         )
         for name, cs in (extra_columns or {}).items():
@@ -112,11 +122,11 @@ class SlotTable:
         return table
 
     def columns(self) -> dict[str, torch.Tensor]:
-        """Every per-slot tensor (core and model columns) by name (lifecycle_words is four of them)."""
+        """Every per-slot tensor (core and model columns) by name (a block is its columns, not one)."""
         core = {
             f.name: getattr(self, f.name)
             for f in attrs.fields(type(self))
-            if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "lifecycle_words"
+            if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in BLOCKS
         }
         return {**core, **self.extra}
 
@@ -131,7 +141,7 @@ class SlotTable:
         return defaults
 
     def clone(self, device: torch.device | str | None = None) -> "SlotTable":
-        """A copy of every column (on `device`, default this table's), the lifecycle words one block."""
+        """A copy of every column (on `device`, default this table's), each block still one tensor."""
         device = self.device if device is None else torch.device(device)
         tensors = {f.name: getattr(self, f.name).to(device, copy=True) for f in attrs.fields(type(self))
                    if f.init and isinstance(getattr(self, f.name), torch.Tensor)}
