@@ -19,6 +19,9 @@ from .verify import sample_positions, verify_frames  # noqa: F401
 # model calls and the models' own text step stay eager. fullgraph: a graph break is a bug
 # here, not a silent fallback. dynamic=None: a stage compiles static for its first batch
 # size and generalises over batch sizes at its second, instead of once per size.
+# A stage reaches a blocked column (SlotTable.lifecycle_words / progress) through its block,
+# never its view attribute: a view of a graph input has no guard source once the slot count
+# goes dynamic (a second table size), and the guard fails to build.
 _compose_rows = torch.compile(reference.compose_rows, fullgraph=True)
 _record_cb0 = torch.compile(reference.record_cb0, fullgraph=True)
 mtp_scatter = torch.compile(reference.mtp_scatter, fullgraph=True)

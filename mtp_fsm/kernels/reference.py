@@ -67,7 +67,7 @@ def compose_rows(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, text: 
     zero = const(0, torch.int32, device)
     bits = (torch.where(bad_span, const(ERR_SPAN, torch.int32, device), zero)
             | torch.where(stale, const(ERR_IDENTITY, torch.int32, device), zero))
-    put(table.error, slot, words[WORD_ERROR] | bits)
+    put(table.lifecycle_words[WORD_ERROR], slot, words[WORD_ERROR] | bits)
     decode_input = at(table.frame_embed, slot) + text.to(table.frame_embed.dtype)
     usable = live ^ bad_span  # live and not bad_span (bad_span implies live)
     context = const(table.max_context, torch.int64, device)
@@ -130,7 +130,7 @@ def record_cb0(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, tokens: 
     if eos_token_id is not None:  # a predicate left out of the facts reads false
         facts[Predicate.EOS_SAMPLED] = tokens == const(eos_token_id, tokens.dtype, device)
     result = run_phase(lc, Phase.SAMPLE, state, owned, facts)
-    put(table.num_computed, slot, computed)
+    put(table.progress[PROGRESS_COMPUTED], slot, computed)
     record(table, slot, result, words, fault)  # codebook 0: the word is the kind
 
 
@@ -269,7 +269,7 @@ def publish_frames(
     # The repetition penalty's memory: one more occurrence of each published CB0 id.
     cb0 = codes[:, 0].clamp(0, table.cb0_counts.shape[1] - 1)
     table.cb0_counts.index_put_((slot, cb0), count, accumulate=True)  # both int32
-    put(table.num_frames, slot, num_frames)
+    put(table.progress[PROGRESS_FRAMES], slot, num_frames)
     reason, error = record(table, slot, result, words)
     # One int64 row per request (stack promotes the columns): the layout of contract.OUT_*.
     columns = torch.stack([count, frame_index, error, result.state, reason, num_frames, computed], dim=1)

@@ -66,7 +66,7 @@ def owns(progress: torch.Tensor, batch: StepBatch) -> torch.Tensor:
 def owned_rows(table: SlotTable, batch: StepBatch) -> torch.Tensor:
     """Rows whose slot still belongs to the request the host scheduled (identity guard;
     a padding row's owner serial is one no slot holds)."""
-    return at(table.serial, batch.idx_mapping) == batch.owner_serial
+    return at(table.progress[PROGRESS_SERIAL], batch.idx_mapping) == batch.owner_serial
 
 
 def in_class(lc: DeviceLifecycle, state: torch.Tensor, class_bit: int) -> torch.Tensor:

@@ -46,3 +46,22 @@ def test_compiled_stages_equal_the_reference():
         reasons |= {f.reason.name.lower() for f in a.finished}
     assert done and frames > 20
     assert {"eos", "length", "error", "abort"} <= reasons, reasons  # every ending ran compiled
+
+
+@pytest.mark.parametrize("slots", [(2, 5)])
+def test_compiled_stages_serve_tables_of_every_size(slots):
+    """Engines of different table sizes share the compiled stages (dynamic in the slot count
+    once a second size is seen). Regression: a blocked column (`SlotTable.progress` row) read
+    through its own view attribute inside a compiled stage made the generalised graph's guard
+    fail ('sources must not be empty'); the stages reach those columns through their block."""
+    torch._dynamo.reset()  # the first size compiles static whatever ran before in this process
+    for max_slots in slots:
+        engines = [LockstepEngine(ScriptedTalker(max_context=64), max_slots, kernels=k) for k in ("torch", "compiled")]
+        pending, state = scripted_requests(max_slots + 1, max_frames=4), {}
+        for step in range(30):
+            plan, done = lockstep_plans(engines[0], pending, state)
+            if done:
+                break
+            a, b = (e.step(plan) for e in engines)
+            assert outputs_equal(a, b), f"{max_slots} slots, step {step}: outputs differ"
+            assert tables_equal(engines[0].table, engines[1].table) == [], f"{max_slots} slots, step {step}"
