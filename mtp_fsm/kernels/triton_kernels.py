@@ -7,7 +7,7 @@ batch size:
 | stage             | launches                                                         |
 |-------------------|------------------------------------------------------------------|
 | apply_host_events | 1                                                                |
-| apply_admits      | ceil(columns / 12): 2 for the core table + up to 6 model columns |
+| apply_admits      | 1 per element width among the columns (<= 4): a pointer table each |
 | replay_frames     | 1 (+ the model's frame_embed and text_step)                      |
 | compose_inputs    | 2: frame index, then the fused gather (+ the model's text_step)  |
 | sample_cb0        | 1                                                                |
@@ -18,10 +18,11 @@ batch size:
 | verify_frames     | 1 (speculative: the verify loop, each row's positions in order)  |
 
 A decode step is 6 launches plus Q - 1 MTP sampling launches. No stage reads a device
-value on the host or builds a tensor from host data, so the stages can be captured in a
-CUDA graph (after a warm-up launch has compiled them). The lifecycle is data (a
-`DeviceLifecycle`): chain shapes and table strides are the only constexprs taken from it,
-so the kernels compile once per lifecycle variant. Kernels process tiles of rows: one
+value on the host, and no decode stage builds a tensor from host data (admission uploads its
+pointer tables through pinned memory), so the decode stages can be captured in a CUDA graph
+(after a warm-up launch has compiled them). The lifecycle is data (a `DeviceLifecycle`):
+chain shapes and table strides are the only constexprs taken from it, so the kernels
+compile once per lifecycle variant. Kernels process tiles of rows: one
 row (sampling) or a few per program on a GPU, the whole batch in one program under the
 CPU interpreter (TRITON_INTERPRET=1, set before triton is first imported), whose
 per-program cost is large.
@@ -33,6 +34,7 @@ import functools
 
 import torch
 import triton  # ImportError when Triton is missing: the backend selector reports it
+import triton.language as tl
 
 from ..lifecycle import DeviceLifecycle, Phase
 from ..sampling import SamplingParams
@@ -49,7 +51,6 @@ from .triton_sampling import MAX_VOCAB
 # Speculative decoding's verify positions as rows: their own module, the stage functions' names.
 from .triton_verify import sample_positions, verify_frames  # noqa: F401
 
-ADMIT_COLUMNS_PER_LAUNCH = 12
 # No stage reads a device value on the host: a decode step can be captured as a CUDA graph
 # (engine/decode_graphs.py; the torch reference's candidate sampler reads one on purpose).
 CUDA_GRAPHS = True
@@ -92,10 +93,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_RAW[t.element_size()])
+_TRITON_RAW = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}  # a column's raw element, by width
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,44 +149,43 @@ def apply_host_events(table: SlotTable, lc: DeviceLifecycle, events: StagedEvent
 
 
 def apply_admits(table: SlotTable, lc: DeviceLifecycle, admits: StagedAdmits) -> None:
-    """Every column of each admitted row reset, its staged prefix written: launches =
-    ceil(columns / 12), whatever the number of rows; the first also fires `admits.trigger`."""
+    """Every column of each admitted row reset, its staged prefix written: one launch per
+    element width in the table (at most four), whatever the number of rows or columns, each
+    given its columns as one pointer table; the first also fires `admits.trigger`."""
     slots = admits.slots
     count = int(slots.shape[0])
     if count == 0:
         return
     defaults = table.column_defaults()
-    specs = []
+    by_width: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    keep = []  # staged values converted here: alive until the launches below are queued
     for name, column in table.columns().items():
         if name in ("state", "error"):
             continue
-        dst, dst_row = _raw(column), column[0].numel()
+        dst_row = column[0].numel()
         value = admits.values.get(name)
         if value is None:
-            src, src_row = dst, 0
+            src, src_row = column, 0
         else:
-            if value.dtype != column.dtype:
-                value = value.to(column.dtype)
-            value = value.contiguous()
+            value = value.to(column.dtype).contiguous()
             src_row = value.numel() // count
             if src_row > dst_row:
                 raise ValueError(f"admit value for column {name!r} has rows of {src_row} > {dst_row} elements")
-            src = _raw(value)
-        specs.append((dst_row, dst, src, src_row, _bits(defaults[name], column.dtype)))
-    specs.sort(key=lambda s: s[0])
-    per = ADMIT_COLUMNS_PER_LAUNCH
-    for start in range(0, len(specs), per):
-        group = specs[start : start + per]
-        widest = max(s[0] for s in group)
+            src = value
+            keep.append(value)
+        by_width.setdefault(column.element_size(), []).append(
+            (column.data_ptr(), src.data_ptr(), dst_row, src_row, _bits(defaults[name], column.dtype)))
+    tile = _row_tile(count, 1)
+    for n, width in enumerate(sorted(by_width)):
+        group = by_width[width]
+        widest = max(spec[2] for spec in group)
         block = _block(widest, 4096 if interpreted() else 1024)
-        tile = _row_tile(count, 1)
-        args = []
-        for i in range(per):
-            dst_row, dst, src, src_row, default = group[min(i, len(group) - 1)]
-            args += [dst, src, dst_row, src_row, default]
+        pointers = torch.tensor(group, dtype=torch.int64)
+        if slots.device.type == "cuda":  # pinned: an async upload, no host sync
+            pointers = pointers.pin_memory().to(slots.device, non_blocking=True)
         K.admit_kernel[(triton.cdiv(count, tile), triton.cdiv(widest, block))](
-            slots, count, table.state, table.error, lc.rules, int(admits.trigger), *args,
-            **_rules(lc), NCOL=len(group), FIRE=start == 0, BLOCK_A=tile, BLOCK=block,
+            slots, count, table.state, table.error, lc.rules, int(admits.trigger), pointers, len(group),
+            **_rules(lc), RAW=_TRITON_RAW[width], FIRE=n == 0, BLOCK_A=tile, BLOCK=block,
         )
 
 

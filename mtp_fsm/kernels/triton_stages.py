@@ -51,29 +51,19 @@ def host_events_kernel(slots_ptr, trig_ptr, trig_stride, reasons_ptr, E,
     tl.store(serial_ptr + slot, tl.where(in_class(class_ptr, state, C_VACANT, m), 0, serial), mask=m)
 
 
-@triton.jit
-def _admit_column(slot, a, amask, offs, dst, src, dst_row, src_row, default):
-    """Rows `slot` of one column (viewed as raw integers): value prefix, then the default."""
-    inside = amask[:, None] & (offs < dst_row)[None, :]
-    given = (offs < src_row)[None, :]
-    v = tl.load(src + a[:, None] * src_row + offs[None, :], mask=inside & given, other=0)
-    v = tl.where(given, v, default)
-    tl.store(dst + slot[:, None] * dst_row + offs[None, :], v.to(dst.dtype.element_ty), mask=inside)
-
-
-@triton.jit(do_not_specialize=['A'])
-def admit_kernel(slots_ptr, A, state_ptr, error_ptr, rules_ptr, trigger,
-                 d0, s0, dr0, sr0, f0, d1, s1, dr1, sr1, f1, d2, s2, dr2, sr2, f2, d3, s3, dr3, sr3, f3,
-                 d4, s4, dr4, sr4, f4, d5, s5, dr5, sr5, f5, d6, s6, dr6, sr6, f6, d7, s7, dr7, sr7, f7,
-                 d8, s8, dr8, sr8, f8, d9, s9, dr9, sr9, f9, d10, s10, dr10, sr10, f10, d11, s11, dr11, sr11, f11,
-                 NS: tl.constexpr, PLANE: tl.constexpr, NCOL: tl.constexpr, FIRE: tl.constexpr,
+@triton.jit(do_not_specialize=['A', 'C'])
+def admit_kernel(slots_ptr, A, state_ptr, error_ptr, rules_ptr, trigger, columns_ptr, C,
+                 NS: tl.constexpr, PLANE: tl.constexpr, RAW: tl.constexpr, FIRE: tl.constexpr,
                  BLOCK_A: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (admitted-row tiles, column blocks): reset + write up to 12 columns per launch;
-    the first launch also fires the admission `trigger` (the error column is reset, not or-ed)."""
+    """Grid (admitted-row tiles, element blocks): the admitted rows of C columns of one element
+    width (viewed as the raw integers RAW) reset to their default after a staged value prefix.
+    `columns_ptr` is the columns' pointer table, int64 [C, 5]: destination and source
+    addresses, destination and source elements per row, default bits. FIRE (the first
+    launch) also fires the admission `trigger` (the error column is reset, not or-ed)."""
     a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
     amask = a < A
     blk = tl.program_id(1)
-    slot = tl.load(slots_ptr + a, mask=amask, other=0)
+    slot = tl.load(slots_ptr + a, mask=amask, other=0).to(tl.int64)
     if FIRE:
         if blk == 0:
             state = tl.load(state_ptr + slot, mask=amask, other=0)
@@ -81,29 +71,16 @@ def admit_kernel(slots_ptr, A, state_ptr, error_ptr, rules_ptr, trigger,
             tl.store(error_ptr + slot, tl.where(illegal, E_ILLEGAL, 0).to(tl.int32), mask=amask)
             tl.store(state_ptr + slot, new, mask=amask)
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _admit_column(slot, a, amask, offs, d0, s0, dr0, sr0, f0)
-    if NCOL > 1:
-        _admit_column(slot, a, amask, offs, d1, s1, dr1, sr1, f1)
-    if NCOL > 2:
-        _admit_column(slot, a, amask, offs, d2, s2, dr2, sr2, f2)
-    if NCOL > 3:
-        _admit_column(slot, a, amask, offs, d3, s3, dr3, sr3, f3)
-    if NCOL > 4:
-        _admit_column(slot, a, amask, offs, d4, s4, dr4, sr4, f4)
-    if NCOL > 5:
-        _admit_column(slot, a, amask, offs, d5, s5, dr5, sr5, f5)
-    if NCOL > 6:
-        _admit_column(slot, a, amask, offs, d6, s6, dr6, sr6, f6)
-    if NCOL > 7:
-        _admit_column(slot, a, amask, offs, d7, s7, dr7, sr7, f7)
-    if NCOL > 8:
-        _admit_column(slot, a, amask, offs, d8, s8, dr8, sr8, f8)
-    if NCOL > 9:
-        _admit_column(slot, a, amask, offs, d9, s9, dr9, sr9, f9)
-    if NCOL > 10:
-        _admit_column(slot, a, amask, offs, d10, s10, dr10, sr10, f10)
-    if NCOL > 11:
-        _admit_column(slot, a, amask, offs, d11, s11, dr11, sr11, f11)
+    for c in range(C):
+        column = columns_ptr + c * 5
+        dst = tl.load(column).to(tl.pointer_type(RAW))
+        src = tl.load(column + 1).to(tl.pointer_type(RAW))
+        dst_row, src_row, default = tl.load(column + 2), tl.load(column + 3), tl.load(column + 4)
+        inside = amask[:, None] & (offs < dst_row)[None, :]
+        given = (offs < src_row)[None, :]
+        v = tl.load(src + a.to(tl.int64)[:, None] * src_row + offs[None, :], mask=inside & given, other=0)
+        v = tl.where(given, v, default.to(RAW))
+        tl.store(dst + slot[:, None] * dst_row + offs[None, :], v, mask=inside)
 
 
 @triton.jit(do_not_specialize=['N'])
