@@ -31,19 +31,27 @@ def test_backend_is_selected_by_name():
     assert select_backend("auto", torch.device("cpu")) is reference
 
 
-def test_compiled_stages_equal_the_reference():
-    engines = [LockstepEngine(ScriptedTalker(max_context=96), 3, kernels=k)
+def _twins_in_lockstep(max_slots: int, max_context: int, requests: int, max_frames: int, steps: int):
+    """Torch and compiled engines stepped on the same plans and compared after every step.
+    Returns the torch engine's outputs and whether every request ended within `steps`."""
+    engines = [LockstepEngine(ScriptedTalker(max_context=max_context), max_slots, kernels=k)
                for k in ("torch", "compiled")]
-    pending, state, frames, reasons = scripted_requests(7, max_frames=7), {}, 0, set()
-    for step in range(80):
+    pending, state, outputs = scripted_requests(requests, max_frames=max_frames), {}, []
+    for step in range(steps):
         plan, done = lockstep_plans(engines[0], pending, state)
         if done:
-            break
+            return outputs, True
         a, b = (e.step(plan) for e in engines)
-        assert outputs_equal(a, b), f"step {step}: outputs differ"
-        assert tables_equal(engines[0].table, engines[1].table) == [], f"step {step}"
-        frames += len(a.frames)
-        reasons |= {f.reason.name.lower() for f in a.finished}
+        assert outputs_equal(a, b), f"{max_slots} slots, step {step}: outputs differ"
+        assert tables_equal(engines[0].table, engines[1].table) == [], f"{max_slots} slots, step {step}"
+        outputs.append(a)
+    return outputs, False
+
+
+def test_compiled_stages_equal_the_reference():
+    outputs, done = _twins_in_lockstep(3, max_context=96, requests=7, max_frames=7, steps=80)
+    frames = sum(len(out.frames) for out in outputs)
+    reasons = {f.reason.name.lower() for out in outputs for f in out.finished}
     assert done and frames > 20
     assert {"eos", "length", "error", "abort"} <= reasons, reasons  # every ending ran compiled
 
@@ -56,12 +64,4 @@ def test_compiled_stages_serve_tables_of_every_size(slots):
     fail ('sources must not be empty'); the stages reach those columns through their block."""
     torch._dynamo.reset()  # the first size compiles static whatever ran before in this process
     for max_slots in slots:
-        engines = [LockstepEngine(ScriptedTalker(max_context=64), max_slots, kernels=k) for k in ("torch", "compiled")]
-        pending, state = scripted_requests(max_slots + 1, max_frames=4), {}
-        for step in range(30):
-            plan, done = lockstep_plans(engines[0], pending, state)
-            if done:
-                break
-            a, b = (e.step(plan) for e in engines)
-            assert outputs_equal(a, b), f"{max_slots} slots, step {step}: outputs differ"
-            assert tables_equal(engines[0].table, engines[1].table) == [], f"{max_slots} slots, step {step}"
+        _twins_in_lockstep(max_slots, max_context=64, requests=max_slots + 1, max_frames=4, steps=30)
