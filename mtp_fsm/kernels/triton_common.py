@@ -170,3 +170,20 @@ def add_in(a, b, DT: tl.constexpr):
     else:
         s = a.to(tl.float32) + b.to(tl.float32)
     return cast_to(s, DT)
+
+
+@triton.jit
+def row_phase(row, rmask, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr,
+               class_ptr, decode_width):
+    slot = tl.load(idx_ptr + row, mask=rmask, other=0)
+    pad = tl.load(pad_ptr + row, mask=rmask, other=1) != 0
+    state = tl.load(state_ptr + slot, mask=rmask, other=0)
+    owned = (~pad) & (tl.load(serial_ptr + slot, mask=rmask, other=0) == tl.load(exp_ptr + row, mask=rmask, other=0))
+    live = owned & in_class(class_ptr, state, C_LIVE, rmask)
+    computed = tl.load(computed_ptr + slot, mask=rmask, other=0)
+    plen = tl.load(plen_ptr + slot, mask=rmask, other=0)
+    n = tl.load(nsched_ptr + row, mask=rmask, other=0)
+    prefill = computed < plen
+    # Phase comes from num_computed < prompt_len, never from the span length.
+    bad_span = live & tl.where(prefill, computed + n > plen, n != decode_width)
+    return slot, pad, owned, live, prefill, bad_span, computed

@@ -23,6 +23,7 @@ from .triton_common import (
     O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID, cast_to, in_class, predicate_bit,
     run_chain, run_stage,
 )
+from .triton_launch import as_u8, block_for, contiguous_rows, phase_chain, row_tile, rule_strides, vocab_block, warps_for
 from .triton_sampling import sample_cb0_rows
 from .verify import position_counts
 
@@ -147,36 +148,30 @@ def verify_frames_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, verify_ptr, B, s
         tl.store(out + O_NUM_COMPUTED, computed, mask=rm)
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
-
-
 def sample_positions(table: SlotTable, batch: StepBatch, verify: torch.Tensor, logits: torch.Tensor,
                      drafts: torch.Tensor, *, eos_token_id: int | None,
                      allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify.sample_positions`: one launch over the B * (k + 1) position rows."""
-    from .triton_kernels import _row_tile, _rows, _vocab_block, _warps
-
     rows, positions = batch.num_rows, drafts.shape[1] + 1
     n, vocab = logits.shape
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     faults = torch.zeros(n, dtype=torch.int32, device=logits.device)
     if n:
-        block = _vocab_block(vocab)
-        logits = _rows(logits)
+        block = vocab_block(vocab)
+        logits = contiguous_rows(logits)
         noise = gumbel_table(logits.device)
         hi, lo = fixed_tables(logits.device)
         counts = position_counts(table, batch.idx_mapping, drafts) if batch.cb0_penalty else table.cb0_counts
-        tile = _row_tile(n, 1)
+        tile = row_tile(n, 1)
         sample_positions_kernel[(triton.cdiv(n, tile),)](
             batch.idx_mapping, n, positions, table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k,
             table.cb0_top_p, table.cb0_penalty, table.min_frames, counts, counts.stride(0), logits, logits.stride(0),
-            vocab, noise if allowed is None else _u8(allowed), noise, hi, lo,
+            vocab, noise if allowed is None else as_u8(allowed), noise, hi, lo,
             -1 if eos_token_id is None else int(eos_token_id), tokens, faults,
             HAS_ALLOWED=allowed is not None, APPLY_FILTERS=bool(batch.cb0_filters), HAS_PENALTY=bool(batch.cb0_penalty),
             HAS_SUPPRESS=bool(batch.cb0_min_frames) and eos_token_id is not None,
             PENALTY_AFTER=table.cb0_penalty_order == PENALTY_AFTER_FILTERS, BLOCK_R=tile, BLOCK_V=block,
-            num_warps=_warps(block),
+            num_warps=warps_for(block),
         )
     return tokens.view(rows, positions), faults.view(rows, positions)
 
@@ -185,8 +180,6 @@ def verify_frames(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, verif
                   tokens: torch.Tensor, faults: torch.Tensor, drafts: torch.Tensor, frame_embeds: torch.Tensor,
                   *, eos_token_id: int | None) -> torch.Tensor:
     """`verify.verify_frames`: one launch, each row's positions walked in order."""
-    from .triton_kernels import _block, _chain, _row_tile, _rules
-
     rows, positions = tokens.shape
     packed = torch.empty(rows * positions, OUT_CODES + 1, dtype=torch.int64, device=table.device)
     if rows == 0:
@@ -195,18 +188,18 @@ def verify_frames(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, verif
     frame_embeds = frame_embeds if frame_embeds.stride(-1) == 1 else frame_embeds.contiguous()
     drafts = drafts.contiguous() if drafts.shape[1] else tokens
     h = table.hidden_size
-    block = _block(h)
-    tile = _row_tile(rows, max(1, 1024 // block))
-    sample_chain, sample_shape = _chain(lc, Phase.SAMPLE)
-    publish_chain, publish_shape = _chain(lc, Phase.PUBLISH)
+    block = block_for(h)
+    tile = row_tile(rows, max(1, 1024 // block))
+    sample_chain, sample_shape = phase_chain(lc, Phase.SAMPLE)
+    publish_chain, publish_shape = phase_chain(lc, Phase.PUBLISH)
     verify_frames_kernel[(triton.cdiv(rows, tile),)](
-        batch.idx_mapping, _u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, _u8(verify.contiguous()),
+        batch.idx_mapping, as_u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, as_u8(verify.contiguous()),
         rows, table.state, table.serial, table.num_computed, table.prompt_len, table.num_frames, table.max_frames,
         table.finish_reason, table.error, table.fault, table.frame_codes, table.frame_log, table.frame_embed,
         table.cb0_counts, table.cb0_counts.stride(0), table.cb0_counts.shape[1], lc.rules, lc.state_class,
         sample_chain, publish_chain, tokens, faults, drafts, drafts.stride(0), frame_embeds, frame_embeds.stride(0),
         packed, packed.stride(0), table.max_context, h, -1 if eos_token_id is None else int(eos_token_id),
-        **_rules(lc), SAMPLE_STAGES=sample_shape["STAGES"], SAMPLE_WIDTH=sample_shape["WIDTH"],
+        **rule_strides(lc), SAMPLE_STAGES=sample_shape["STAGES"], SAMPLE_WIDTH=sample_shape["WIDTH"],
         PUBLISH_STAGES=publish_shape["STAGES"], PUBLISH_WIDTH=publish_shape["WIDTH"], P=positions, BLOCK_R=tile, BLOCK_H=block,
     )
     return packed

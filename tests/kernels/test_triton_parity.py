@@ -190,9 +190,12 @@ def test_no_kernel_names_a_trigger_or_a_state():
     import inspect
     import re
 
-    from mtp_fsm.kernels import triton_common, triton_stages
+    import importlib
 
-    for module in (triton_common, triton_stages, TK):
+    from mtp_fsm.kernels import triton_common, triton_launch, triton_sampling
+
+    stages = [importlib.import_module(f"mtp_fsm.kernels.{name}") for name in TK.STAGE_MODULES]
+    for module in (triton_common, triton_launch, triton_sampling, TK, *stages):
         src = inspect.getsource(module)
         for pattern in (r"\b(Trigger|State|FinishReason)\b(?!-)", r"\b[STR]_[A-Z]"):
             assert not re.search(pattern, src), (module.__name__, pattern, re.search(pattern, src))
