@@ -173,12 +173,21 @@ def add_in(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def row_phase(row, rmask, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr,
-               class_ptr, decode_width):
+def row_owner(row, rmask, idx_ptr, pad_ptr, exp_ptr, state_ptr, serial_ptr):
+    """A tile of batch rows: each one's slot, padding flag, state, and whether the slot still
+    belongs to the request the host scheduled (the identity guard; padding never owns)."""
     slot = tl.load(idx_ptr + row, mask=rmask, other=0)
     pad = tl.load(pad_ptr + row, mask=rmask, other=1) != 0
     state = tl.load(state_ptr + slot, mask=rmask, other=0)
     owned = (~pad) & (tl.load(serial_ptr + slot, mask=rmask, other=0) == tl.load(exp_ptr + row, mask=rmask, other=0))
+    return slot, pad, state, owned
+
+
+@triton.jit
+def row_phase(row, rmask, idx_ptr, pad_ptr, exp_ptr, nsched_ptr, state_ptr, serial_ptr, computed_ptr, plen_ptr,
+              class_ptr, decode_width):
+    """row_owner, plus whether the row is live, in prefill, its span bad, its computed tokens."""
+    slot, pad, state, owned = row_owner(row, rmask, idx_ptr, pad_ptr, exp_ptr, state_ptr, serial_ptr)
     live = owned & in_class(class_ptr, state, C_LIVE, rmask)
     computed = tl.load(computed_ptr + slot, mask=rmask, other=0)
     plen = tl.load(plen_ptr + slot, mask=rmask, other=0)

@@ -12,7 +12,7 @@ from .contract import OUT_CODES, StepBatch
 from .triton_common import (
     B_DRAFT_ACCEPTED, B_EOC_FRAME, B_EOS_FRAME, B_LENGTH_REACHED, B_RAMP_DONE, B_WIND_DONE, C_IN_STEP, E_ILLEGAL,
     O_CODES, O_ERROR, O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID, cast_to, in_class,
-    predicate_bit, run_stage,
+    predicate_bit, row_owner, run_stage,
 )
 from .triton_launch import as_u8, block_for, contiguous_rows, phase_chain, row_tile, rule_strides
 
@@ -30,10 +30,7 @@ def publish_kernel(idx_ptr, pad_ptr, exp_ptr, B, state_ptr, serial_ptr, frames_p
     publishes, and the packed output rows."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
-    slot = tl.load(idx_ptr + row, mask=rm, other=0)
-    pad = tl.load(pad_ptr + row, mask=rm, other=1) != 0
-    state = tl.load(state_ptr + slot, mask=rm, other=0)
-    owned = (~pad) & (tl.load(serial_ptr + slot, mask=rm, other=0) == tl.load(exp_ptr + row, mask=rm, other=0))
+    slot, pad, state, owned = row_owner(row, rm, idx_ptr, pad_ptr, exp_ptr, state_ptr, serial_ptr)
     frame_index = tl.load(frames_ptr + slot, mask=rm, other=0)
     max_frames = tl.load(maxf_ptr + slot, mask=rm, other=0)
     # The next input would sit at position num_computed: no room when it no longer fits.

@@ -16,7 +16,7 @@ from ..slots import SlotTable
 from .contract import StepBatch
 from .triton_common import (
     B_CB0_FAULT, B_EOS_SAMPLED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE, C_IN_STEP, C_LIVE, E_ILLEGAL, in_class,
-    predicate_bit, run_chain,
+    predicate_bit, row_owner, run_chain,
 )
 from .triton_launch import (
     ROW_BLOCK, as_u8, contiguous_rows, phase_chain, row_tile, rule_strides, vocab_block, warps_for,
@@ -43,10 +43,7 @@ def sample_cb0_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, B,
     the fault column."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
-    slot = tl.load(idx_ptr + row, mask=rm, other=0)
-    pad = tl.load(pad_ptr + row, mask=rm, other=1) != 0
-    state = tl.load(state_ptr + slot, mask=rm, other=0)
-    owned = (~pad) & (tl.load(serial_ptr + slot, mask=rm, other=0) == tl.load(exp_ptr + row, mask=rm, other=0))
+    slot, pad, state, owned = row_owner(row, rm, idx_ptr, pad_ptr, exp_ptr, state_ptr, serial_ptr)
     live = owned & in_class(class_ptr, state, C_LIVE, rm)
     n = tl.load(nsched_ptr + row, mask=rm, other=0)
     computed = tl.load(computed_ptr + slot, mask=rm, other=0) + tl.where(live, n, 0)
@@ -79,6 +76,13 @@ def _record_fault(fault_ptr, slot, w, owned, why, fault):
     tl.store(fault_ptr + slot, tl.where(write, fault, old), mask=w)
 
 
+def _draw_inputs(logits: torch.Tensor):
+    """What a sampling launch takes beside the logits (dense rows): the vocabulary block, the
+    noise and fixed-point top-p tables, and the rows per program (one on a GPU)."""
+    noise, (hi, lo) = gumbel_table(logits.device), fixed_tables(logits.device)
+    return contiguous_rows(logits), vocab_block(logits.shape[1]), noise, hi, lo, row_tile(logits.shape[0], 1)
+
+
 def sample_cb0(
     table: SlotTable,
     lc: DeviceLifecycle,
@@ -93,11 +97,7 @@ def sample_cb0(
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
-    block = vocab_block(vocab)
-    logits = contiguous_rows(logits)
-    noise = gumbel_table(logits.device)
-    hi, lo = fixed_tables(logits.device)
-    tile = row_tile(rows, 1)
+    logits, block, noise, hi, lo, tile = _draw_inputs(logits)
     chain, shape = phase_chain(lc, Phase.SAMPLE)
     sample_cb0_kernel[(triton.cdiv(rows, tile),)](
         batch.idx_mapping, as_u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, rows,
@@ -154,11 +154,7 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
         if n == 0:
             return tokens
-        block = vocab_block(vocab)
-        logits = contiguous_rows(logits)
-        noise = gumbel_table(logits.device)
-        hi, lo = fixed_tables(logits.device)
-        tile = row_tile(n, 1)
+        logits, block, noise, hi, lo, tile = _draw_inputs(logits)
         columns, apply = (table.mtp_temperature, table.mtp_top_k, table.mtp_top_p), filters
         if params is not None:  # a model-owned draw (e.g. MOSS's stop head): one value for every slot
             columns = tuple(torch.full_like(c, v) for c, v in zip(columns, (params.temperature, params.top_k,
@@ -183,10 +179,7 @@ def mtp_scatter_kernel(idx_ptr, pad_ptr, exp_ptr, fault_in_ptr, stop_ptr, B, sta
     step's final stage (speculative: the drafter), which flags rows left in an in-step state."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = r < B
-    slot = tl.load(idx_ptr + r, mask=m, other=0)
-    pad = tl.load(pad_ptr + r, mask=m, other=1) != 0
-    state = tl.load(state_ptr + slot, mask=m, other=0)
-    owned = (~pad) & (tl.load(serial_ptr + slot, mask=m, other=0) == tl.load(exp_ptr + r, mask=m, other=0))
+    slot, pad, state, owned = row_owner(r, m, idx_ptr, pad_ptr, exp_ptr, state_ptr, serial_ptr)
     fault = tl.load(fault_in_ptr + r, mask=m, other=0)
     word = predicate_bit(fault != 0, B_MTP_FAULT)
     if HAS_STOP:

@@ -19,9 +19,9 @@ from ..sampling.topp import fixed_tables
 from ..slots import SlotTable
 from .contract import OUT_CODES, StepBatch
 from .triton_common import (
-    B_CB0_FAULT, B_DRAFT_ACCEPTED, B_EOS_SAMPLED, B_LENGTH_REACHED, B_PROMPT_DONE, C_LIVE, E_ILLEGAL, O_CODES, O_ERROR,
-    O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID, cast_to, in_class, predicate_bit,
-    run_chain, run_stage,
+    B_CB0_FAULT, B_DRAFT_ACCEPTED, B_EOS_SAMPLED, B_LENGTH_REACHED, B_PROMPT_DONE, C_LIVE, E_ILLEGAL, O_CODES,
+    O_ERROR, O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID, cast_to, in_class,
+    predicate_bit, row_owner, run_chain, run_stage,
 )
 from .triton_launch import as_u8, block_for, contiguous_rows, phase_chain, row_tile, rule_strides, vocab_block, warps_for
 from .triton_sampling import sample_cb0_rows
@@ -65,10 +65,7 @@ def verify_frames_kernel(idx_ptr, pad_ptr, exp_ptr, nsched_ptr, verify_ptr, B, s
     newest frame's codes and embedding, and the packed rows of its positions."""
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = row < B
-    slot = tl.load(idx_ptr + row, mask=rm, other=0)
-    pad = tl.load(pad_ptr + row, mask=rm, other=1) != 0
-    state = tl.load(state_ptr + slot, mask=rm, other=0)
-    owned = (~pad) & (tl.load(serial_ptr + slot, mask=rm, other=0) == tl.load(exp_ptr + row, mask=rm, other=0))
+    slot, pad, state, owned = row_owner(row, rm, idx_ptr, pad_ptr, exp_ptr, state_ptr, serial_ptr)
     verify = tl.load(verify_ptr + row, mask=rm, other=0) != 0
     first_width = tl.where(verify, 1, tl.load(nsched_ptr + row, mask=rm, other=0))
     computed = tl.load(computed_ptr + slot, mask=rm, other=0)
