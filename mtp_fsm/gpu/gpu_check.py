@@ -199,12 +199,9 @@ def run_sync_check(name: str, make_model, requests, device, kernels: str, slots:
 
 
 def _triton_kernel_names() -> frozenset[str]:
-    import importlib
-
     from ..kernels import triton_kernels
 
-    modules = [importlib.import_module(f"mtp_fsm.kernels.{name}") for name in triton_kernels.STAGE_MODULES]
-    return frozenset(name for module in modules for name in vars(module) if name.endswith("_kernel"))
+    return frozenset(name for module in triton_kernels.STAGE_MODULES for name in vars(module) if name.endswith("_kernel"))
 
 
 def count_launches(engine) -> Counter:

@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 
 from ..lifecycle import DeviceLifecycle, Phase
+from ..sampling.noise import gumbel_table
+from ..sampling.topp import fixed_tables
 from .triton_common import fire_host
 from .triton_sampling import MAX_VOCAB
 
@@ -97,6 +99,13 @@ def row_tile(n: int, gpu: int) -> int:
     """Rows per program: `gpu` on a GPU; on the interpreter, as many as possible (one
     program per launch amortises its large per-program overhead)."""
     return min(64, triton.next_power_of_2(max(n, 1))) if interpreted() else gpu
+
+
+def draw_inputs(logits: torch.Tensor):
+    """What a sampling launch takes beside the logits (dense rows): the vocabulary block, the
+    noise and fixed-point top-p tables, and the rows per program (one on a GPU)."""
+    noise, (hi, lo) = gumbel_table(logits.device), fixed_tables(logits.device)
+    return contiguous_rows(logits), vocab_block(logits.shape[1]), noise, hi, lo, row_tile(logits.shape[0], 1)
 
 
 def vocab_block(vocab: int) -> int:

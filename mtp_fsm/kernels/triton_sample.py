@@ -9,18 +9,14 @@ import triton.language as tl
 from ..lifecycle import DeviceLifecycle, Phase
 from ..sampling import SamplingParams
 from ..sampling.faults import FAULT_CODEBOOK_SHIFT
-from ..sampling.noise import gumbel_table
 from ..sampling.penalties import PENALTY_AFTER_FILTERS
-from ..sampling.topp import fixed_tables
 from ..slots import SlotTable
 from .contract import StepBatch
 from .triton_common import (
     B_CB0_FAULT, B_EOS_SAMPLED, B_MTP_FAULT, B_MTP_STOP, B_PROMPT_DONE, C_IN_STEP, C_LIVE, E_ILLEGAL, in_class,
     predicate_bit, row_owner, run_chain,
 )
-from .triton_launch import (
-    ROW_BLOCK, as_u8, contiguous_rows, phase_chain, row_tile, rule_strides, vocab_block, warps_for,
-)
+from .triton_launch import ROW_BLOCK, as_u8, draw_inputs, phase_chain, rule_strides, warps_for
 from .triton_sampling import row_key, sample_cb0_rows, sample_rows
 
 
@@ -76,13 +72,6 @@ def _record_fault(fault_ptr, slot, w, owned, why, fault):
     tl.store(fault_ptr + slot, tl.where(write, fault, old), mask=w)
 
 
-def _draw_inputs(logits: torch.Tensor):
-    """What a sampling launch takes beside the logits (dense rows): the vocabulary block, the
-    noise and fixed-point top-p tables, and the rows per program (one on a GPU)."""
-    noise, (hi, lo) = gumbel_table(logits.device), fixed_tables(logits.device)
-    return contiguous_rows(logits), vocab_block(logits.shape[1]), noise, hi, lo, row_tile(logits.shape[0], 1)
-
-
 def sample_cb0(
     table: SlotTable,
     lc: DeviceLifecycle,
@@ -97,7 +86,7 @@ def sample_cb0(
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
-    logits, block, noise, hi, lo, tile = _draw_inputs(logits)
+    logits, block, noise, hi, lo, tile = draw_inputs(logits)
     chain, shape = phase_chain(lc, Phase.SAMPLE)
     sample_cb0_kernel[(triton.cdiv(rows, tile),)](
         batch.idx_mapping, as_u8(batch.is_padding), batch.expected_serial, batch.num_scheduled, rows,
@@ -154,7 +143,7 @@ def mtp_sampler(table: SlotTable, batch: StepBatch):
         tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
         if n == 0:
             return tokens
-        logits, block, noise, hi, lo, tile = _draw_inputs(logits)
+        logits, block, noise, hi, lo, tile = draw_inputs(logits)
         columns, apply = (table.mtp_temperature, table.mtp_top_k, table.mtp_top_p), filters
         if params is not None:  # a model-owned draw (e.g. MOSS's stop head): one value for every slot
             columns = tuple(torch.full_like(c, v) for c, v in zip(columns, (params.temperature, params.top_k,

@@ -13,9 +13,7 @@ import triton
 import triton.language as tl
 
 from ..lifecycle import DeviceLifecycle, Phase
-from ..sampling.noise import gumbel_table
 from ..sampling.penalties import PENALTY_AFTER_FILTERS
-from ..sampling.topp import fixed_tables
 from ..slots import SlotTable
 from .contract import OUT_CODES, StepBatch
 from .triton_common import (
@@ -23,7 +21,9 @@ from .triton_common import (
     O_ERROR, O_FRAME_INDEX, O_NUM_COMPUTED, O_NUM_FRAMES, O_REASON, O_STATE, O_VALID, cast_to, in_class,
     predicate_bit, row_owner, run_chain, run_stage,
 )
-from .triton_launch import as_u8, block_for, contiguous_rows, phase_chain, row_tile, rule_strides, vocab_block, warps_for
+from .triton_launch import (
+    as_u8, block_for, contiguous_rows, draw_inputs, phase_chain, row_tile, rule_strides, warps_for,
+)
 from .triton_sampling import sample_cb0_rows
 from .verify import position_counts
 
@@ -154,12 +154,8 @@ def sample_positions(table: SlotTable, batch: StepBatch, verify: torch.Tensor, l
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     faults = torch.zeros(n, dtype=torch.int32, device=logits.device)
     if n:
-        block = vocab_block(vocab)
-        logits = contiguous_rows(logits)
-        noise = gumbel_table(logits.device)
-        hi, lo = fixed_tables(logits.device)
+        logits, block, noise, hi, lo, tile = draw_inputs(logits)
         counts = position_counts(table, batch.idx_mapping, drafts) if batch.cb0_penalty else table.cb0_counts
-        tile = row_tile(n, 1)
         sample_positions_kernel[(triton.cdiv(n, tile),)](
             batch.idx_mapping, n, positions, table.num_frames, table.seed, table.cb0_temperature, table.cb0_top_k,
             table.cb0_top_p, table.cb0_penalty, table.min_frames, counts, counts.stride(0), logits, logits.stride(0),
@@ -182,7 +178,7 @@ def verify_frames(table: SlotTable, lc: DeviceLifecycle, batch: StepBatch, verif
     if rows == 0:
         return packed
     tokens, faults = tokens.contiguous(), faults.contiguous()
-    frame_embeds = frame_embeds if frame_embeds.stride(-1) == 1 else frame_embeds.contiguous()
+    frame_embeds = contiguous_rows(frame_embeds)
     drafts = drafts.contiguous() if drafts.shape[1] else tokens
     h = table.hidden_size
     block = block_for(h)
